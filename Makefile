@@ -1,0 +1,59 @@
+# ZeRO from Scratch. The README's two commands:  make lab  (the course)  and  make test.
+# Every target installs into .venv first if needed.
+#
+# GPU users: install a CUDA build of the same torch, e.g.
+#   make lab TORCH_INDEX=https://download.pytorch.org/whl/cu128
+# (or create the conda environment in environment.yml and run with VENV=$CONDA_PREFIX).
+
+PYTHON      ?= python3
+VENV        ?= .venv
+TORCH_SPEC  ?= torch==2.13.0
+TORCH_INDEX ?=
+PORT        ?= 8888
+# make grade SUBMISSIONS=path/to/submitted LESSON=03_zero1
+SUBMISSIONS ?= submitted
+LESSON      ?=
+PYTEST_ARGS ?=
+
+BIN   := $(VENV)/bin
+STAMP := $(VENV)/.zerokit-installed
+
+.PHONY: setup lab demo test lessons grade bench clean help
+
+help:
+	@echo "make lab      install (first time) and start JupyterLab on lessons/"
+	@echo "make test     install (first time) and run every test"
+	@echo "make demo     a 3-minute headless tour: memory and communication, measured"
+	@echo "make bench    zerokit against PyTorch's own ZeRO implementations"
+	@echo "make lessons  regenerate lessons/ from solutions/ (nbgrader)"
+	@echo "make grade    autograde $(SUBMISSIONS)/<student>/<lesson>/ (nbgrader)"
+
+# torch first, pinned, so that installing the package never pulls another build.
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e ".[course,test,dev]"
+	@touch $@
+
+setup: $(STAMP)
+
+lab: setup
+	$(BIN)/jupyter lab --ServerApp.root_dir=lessons --port=$(PORT)
+
+demo: setup
+	$(BIN)/python -m zerokit.demo
+
+test: setup
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lessons: setup
+	$(BIN)/python -m zerokit.grading.lessons generate
+
+grade: setup
+	$(BIN)/python -m zerokit.grading.autograde $(SUBMISSIONS) $(if $(LESSON),--lesson $(LESSON))
+
+bench: setup
+	$(BIN)/python -m zerokit.bench
+
+clean:
+	rm -rf $(VENV) .pytest_cache gradebook.db autograded feedback bench-results

@@ -1,0 +1,99 @@
+"""Shared helpers for the zerokit tests.
+
+The numerics are always checked against references built here from PyTorch itself
+(torch.optim.AdamW, torch.nn.utils.clip_grad_norm_), never against values recorded from
+zerokit. Multi-rank code runs through zerokit.launch with the forkserver launcher (a rank
+starts in ~0.1 s) and a timeout, so a deadlock fails the test instead of hanging it.
+"""
+
+import torch
+
+import zerokit
+from zerokit.models import EdgeCaseNet, OddMLP, loss_for, make_batch
+
+# Seconds a single launch may take before it is killed and the test fails. Generous for
+# a loaded 2-core machine, far below gloo's 30-minute default.
+LAUNCH_TIMEOUT = 90
+
+MODEL_CLASSES = {"mlp": OddMLP, "edge": EdgeCaseNet}
+
+
+def run_ranks(fn, world_size, *args, timeout=LAUNCH_TIMEOUT):
+    """fn(rank, world_size, *args) on world_size gloo ranks; the list of return values."""
+    return zerokit.launch(fn, world_size, args=args, backend="gloo", launcher="forkserver",
+                          timeout=timeout, echo=False)
+
+
+def new_model(kind, seed=0):
+    torch.manual_seed(seed)
+    return MODEL_CLASSES[kind]()
+
+
+def batch(kind, step, size, seed=0):
+    """The global batch of `step` (deterministic, so every rank and the reference agree)."""
+    return make_batch(kind, size, seed=1000 * seed + step + 17)
+
+
+def rank_slice(t, rank, world_size):
+    micro = t.shape[0] // world_size
+    assert micro * world_size == t.shape[0]
+    return t[rank * micro:(rank + 1) * micro]
+
+
+def snapshot(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def max_diff(a, b):
+    """max |a - b| over every tensor of two {name: tensor} dicts with the same keys and shapes."""
+    assert a.keys() == b.keys(), (sorted(a), sorted(b))
+    worst = 0.0
+    for k in a:
+        assert a[k].shape == b[k].shape, (k, a[k].shape, b[k].shape)
+        worst = max(worst, (a[k].double() - b[k].double()).abs().max().item() if a[k].numel() else 0.0)
+    return worst
+
+
+def adamw_reference(kind, steps, batch_size, *, lr=1e-2, weight_decay=0.0, clip=None, seed=0,
+                    betas=(0.9, 0.999), eps=1e-8):
+    """One process, torch.optim.AdamW (foreach=False) on the whole batch.
+
+    Returns (snapshots after each step, final optimizer state {name: {...}}, grad norms
+    before clipping per step (when clip is set)).
+    """
+    model = new_model(kind, seed)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    opt = torch.optim.AdamW([p for _, p in named], lr=lr, betas=betas, eps=eps,
+                            weight_decay=weight_decay, foreach=False)
+    snaps, norms = [], []
+    for step in range(steps):
+        x, y = batch(kind, step, batch_size, seed)
+        loss_for(kind, model(x), y).backward()
+        if clip is not None:
+            norms.append(torch.nn.utils.clip_grad_norm_([p for _, p in named], clip).item())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        snaps.append(snapshot(model))
+    state = {}
+    for n, p in named:
+        if p in opt.state:
+            s = opt.state[p]
+            state[n] = {"exp_avg": s["exp_avg"].clone(), "exp_avg_sq": s["exp_avg_sq"].clone(),
+                        "step": int(s["step"])}
+    return snaps, state, norms
+
+
+def ceil_div(a, b):
+    return -(-a // b)
+
+
+def num_trainable(model):
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def close_rel(measured, expected, rel):
+    return abs(measured - expected) <= rel * abs(expected)
+
+
+__all__ = ["LAUNCH_TIMEOUT", "run_ranks", "new_model", "batch", "rank_slice", "snapshot", "max_diff",
+           "adamw_reference", "ceil_div", "num_trainable", "close_rel"]

@@ -1,0 +1,177 @@
+"""zerokit.launch: results, errors named by rank, hangs stopped in time, no orphans, no stderr."""
+
+import os
+import time
+
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+
+import zerokit
+from zerokit import LaunchError, LaunchTimeout
+
+pytestmark = pytest.mark.distributed
+
+LAUNCHERS = ["forkserver", "torchrun"]
+
+
+def _workers_alive():
+    """Worker processes of ours still running (the long-lived fork server itself excluded)."""
+    alive = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if p.info["status"] == psutil.STATUS_ZOMBIE:
+            continue
+        if "zerokit._worker" in cmd or ("torch.distributed.run" in cmd and "zerokit" in cmd):
+            alive.append(p.pid)
+    from zerokit import _forkserver
+
+    if _forkserver._server is not None and _forkserver._server.poll() is None:
+        for kid in psutil.Process(_forkserver._server.pid).children():
+            try:
+                if kid.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(kid.pid)
+            except psutil.NoSuchProcess:
+                pass  # reaped between listing and asking: it is gone, which is what we check
+    return alive
+
+
+def _sum_ranks(rank, world_size, scale):
+    x = torch.tensor([float(rank)])
+    dist.all_reduce(x)
+    print(f"hello from {rank}")
+    return {"rank": rank, "sum": x * scale, "backend": dist.get_backend()}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_results_come_back_in_rank_order(launcher, capsys):
+    t0 = time.perf_counter()
+    out = zerokit.launch(_sum_ranks, world_size=3, args=(10,), launcher=launcher, timeout=90)
+    elapsed = time.perf_counter() - t0
+    assert [o["rank"] for o in out] == [0, 1, 2]
+    assert all(o["sum"].item() == 30.0 for o in out)  # (0 + 1 + 2) * 10
+    assert {o["backend"] for o in out} == {"gloo"}
+    captured = capsys.readouterr()
+    assert "[rank 1] hello from 1" in captured.out
+    assert captured.err == ""  # nbgrader fails a cell that writes to stderr
+    print(f"{launcher}: 3 ranks in {elapsed:.2f} s")
+    assert _workers_alive() == []
+
+
+def test_function_defined_at_run_time_is_sent_by_value():
+    # What a notebook cell produces: a function and a class in a module nobody can import.
+    namespace = {"__name__": "__main__"}
+    exec(
+        "class Doubler:\n"
+        "    def __init__(self, k): self.k = k\n"
+        "    def __call__(self, x): return x * self.k\n"
+        "def fn(rank, world_size, k):\n"
+        "    return Doubler(k)(rank)\n",
+        namespace,
+    )
+    assert zerokit.launch(namespace["fn"], world_size=2, args=(21,), launcher="forkserver") == [0, 21]
+
+
+def _raise_on_one(rank, world_size):
+    if rank == 1:
+        raise ValueError("bad value on rank one")
+    dist.barrier()  # rank 0 would wait here for ever without the launcher
+    return rank
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_exception_on_one_rank_is_reraised_with_its_rank(launcher, capsys):
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError, match="bad value on rank one") as info:
+        zerokit.launch(_raise_on_one, world_size=2, launcher=launcher, timeout=40)
+    assert time.perf_counter() - t0 < 40  # well before the timeout: the job stops at the error
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert "rank 1 of 2" in notes and "_raise_on_one" in notes
+    assert "bad value on rank one" in str(info.value.__cause__)  # the worker's traceback
+    assert info.value.rank == 1
+    assert capsys.readouterr().err == ""
+    assert _workers_alive() == []
+
+
+def _hang_on_one(rank, world_size):
+    if rank == 0:
+        dist.all_reduce(torch.ones(1))  # rank 1 never joins this collective
+        dist.all_reduce(torch.ones(1))
+    else:
+        time.sleep(3600)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_hang_is_stopped_and_the_stuck_ranks_named(launcher):
+    timeout = 8 if launcher == "forkserver" else 20  # torchrun needs a few seconds to start
+    t0 = time.perf_counter()
+    with pytest.raises(LaunchTimeout) as info:
+        zerokit.launch(_hang_on_one, world_size=2, launcher=launcher, timeout=timeout)
+    elapsed = time.perf_counter() - t0
+    assert timeout <= elapsed < timeout + 10
+    message = str(info.value)
+    assert "rank 0: never finished: inside torch.distributed.all_reduce" in message
+    assert "rank 1: never finished" in message and "_hang_on_one" in message
+    assert set(info.value.failures) == {0, 1}
+    assert _workers_alive() == []
+
+
+def _syntax_error(rank, world_size):
+    source = "def broken(:\n    pass\n"
+    exec(compile(source, "<student cell>", "exec"))
+
+
+@pytest.mark.timeout(60)
+def test_syntax_error_in_sent_code_arrives_as_syntax_error():
+    with pytest.raises(SyntaxError) as info:
+        zerokit.launch(_syntax_error, world_size=2, launcher="forkserver", timeout=30)
+    assert "raised on rank" in "\n".join(info.value.__notes__)
+
+
+def _crash(rank, world_size):
+    if rank == 1:
+        os._exit(7)
+    dist.barrier()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_a_rank_that_dies_is_reported_with_its_exit_code(launcher):
+    with pytest.raises(LaunchError) as info:
+        zerokit.launch(_crash, world_size=2, launcher=launcher, timeout=40)
+    assert "rank 1: exited without returning (exit code 7)" in str(info.value)
+    assert _workers_alive() == []
+
+
+def _allocate_forever(rank, world_size):
+    hoard = []
+    while True:
+        hoard.append(torch.ones(2**24))  # 64 MiB, touched
+
+
+@pytest.mark.timeout(60)
+def test_runaway_memory_is_stopped():
+    with pytest.raises(LaunchError, match="over the 0.5 GiB limit"):
+        zerokit.launch(_allocate_forever, world_size=2, launcher="forkserver", timeout=40, memory_limit_gb=0.5)
+    assert _workers_alive() == []
+
+
+@pytest.mark.timeout(60)
+def test_unpicklable_argument_is_a_clear_type_error():
+    import threading
+
+    with pytest.raises(TypeError, match="could not send fn/args"):
+        zerokit.launch(_sum_ranks, world_size=2, args=(threading.Lock(),), launcher="forkserver")
+
+
+def test_arguments_are_checked():
+    with pytest.raises(ValueError, match="launcher"):
+        zerokit.launch(_sum_ranks, world_size=2, launcher="mpirun")
+    with pytest.raises(ValueError, match="world_size"):
+        zerokit.launch(_sum_ranks, world_size=0)
+    with pytest.raises(ValueError, match="backend"):
+        zerokit.launch(_sum_ranks, world_size=2, backend="mpi")

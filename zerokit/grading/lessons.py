@@ -1,0 +1,96 @@
+"""Generate lessons/ from solutions/ with nbgrader, and check the two have not drifted.
+
+    python -m zerokit.grading.lessons generate [LESSON ...]   # make lessons
+    python -m zerokit.grading.lessons check                    # exit 1 and a diff if they drifted
+
+`generate` is `nbgrader generate_assignment --no-db` for each lesson (solutions removed,
+hidden tests removed, cells locked and checksummed). `check` generates into a temporary
+folder and compares, cell by cell, the cell type, source and nbgrader metadata with the
+committed lessons/: what a student would get if we regenerated now must be what they get.
+"""
+
+import argparse
+import difflib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SOLUTIONS = ROOT / "solutions"
+LESSONS = ROOT / "lessons"
+
+__all__ = ["lesson_ids", "generate", "drift"]
+
+
+def lesson_ids():
+    """Assignment ids: the folders of solutions/ that hold a notebook of the same name."""
+    return sorted(d.name for d in SOLUTIONS.iterdir() if (d / f"{d.name}.ipynb").exists())
+
+
+def nbgrader_env():
+    """nbgrader calls helper programs (alembic) by name: put this Python's bin/ on PATH."""
+    env = dict(os.environ)
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    return env
+
+
+def generate(ids=None, release_dir=LESSONS):
+    for lesson in ids or lesson_ids():
+        cmd = [sys.executable, "-m", "nbgrader", "generate_assignment", lesson, "--force", "--no-db",
+               f"--CourseDirectory.release_directory={release_dir}", "--log-level=WARN"]
+        proc = subprocess.run(cmd, cwd=ROOT, env=nbgrader_env(), capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"nbgrader generate_assignment {lesson} failed:\n{proc.stdout}\n{proc.stderr}")
+
+
+def _cells(path):
+    nb = json.loads(Path(path).read_text())
+    return [
+        {"type": c["cell_type"], "source": "".join(c["source"]), "nbgrader": c.get("metadata", {}).get("nbgrader")}
+        for c in nb["cells"]
+    ]
+
+
+def drift():
+    """Differences between lessons/ and what nbgrader makes of solutions/ now ([] if none)."""
+    problems = []
+    with tempfile.TemporaryDirectory() as tmp:
+        generate(release_dir=Path(tmp))
+        for lesson in lesson_ids():
+            fresh = Path(tmp) / lesson / f"{lesson}.ipynb"
+            committed = LESSONS / lesson / f"{lesson}.ipynb"
+            if not committed.exists():
+                problems.append(f"{committed.relative_to(ROOT)} is missing: run `make lessons`")
+                continue
+            a, b = _cells(committed), _cells(fresh)
+            if a != b:
+                diff = difflib.unified_diff(
+                    json.dumps(a, indent=1).splitlines(), json.dumps(b, indent=1).splitlines(),
+                    f"lessons/{lesson} (committed)", f"lessons/{lesson} (from solutions/)", lineterm="", n=2)
+                problems.append("\n".join(list(diff)[:60]))
+        extra = {d.name for d in LESSONS.iterdir() if d.is_dir()} - set(lesson_ids()) if LESSONS.exists() else set()
+        problems += [f"lessons/{e} has no source in solutions/" for e in sorted(extra)]
+    return problems
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("command", choices=["generate", "check"])
+    parser.add_argument("lessons", nargs="*")
+    args = parser.parse_args(argv)
+    if args.command == "generate":
+        generate(args.lessons or None)
+        print(f"regenerated {', '.join(args.lessons or lesson_ids())} in {LESSONS.relative_to(ROOT)}/")
+        return 0
+    problems = drift()
+    for p in problems:
+        print(p)
+    print("lessons/ matches solutions/" if not problems else f"{len(problems)} lesson(s) drifted: run `make lessons`")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

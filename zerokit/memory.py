@@ -1,0 +1,193 @@
+r"""Model-state memory: the ZeRO paper's theory, and a measurement per rank by category.
+
+Theory. With $\Psi$ parameters, mixed-precision Adam holds $2\Psi$ bytes of fp16/bf16
+weights, $2\Psi$ of fp16/bf16 gradients and $K\Psi$ of optimizer state with $K = 12$
+(fp32 master weights, m and v): $16\Psi$ in all. Plain fp32 training holds $4\Psi + 4\Psi$
+and $K = 8$ (m and v; the fp32 weights are their own master copy). On N ranks:
+
+| stage | parameters | gradients | optimizer state |
+|---|---|---|---|
+| data parallel | $P\Psi$ | $G\Psi$ | $K\Psi$ |
+| ZeRO-1 ($P_{os}$) | $P\Psi$ | $G\Psi$ | $K\Psi/N$ |
+| ZeRO-2 ($P_{os+g}$) | $P\Psi$ | $G\Psi/N$ | $K\Psi/N$ |
+| ZeRO-3 ($P_{os+g+p}$) | $P\Psi/N$ | $G\Psi/N$ | $K\Psi/N$ |
+
+Measurement. `census()` finds every live tensor of the process through Python's garbage
+collector (plus each parameter's .grad), counts each underlying storage once, and files it
+under the first category that claims it: a model parameter's storage is "parameters", a
+.grad's is "gradients", what the optimizer holds is "optimizer_states" (its `state`, or
+what a zerokit optimizer lists in `memory_categories()`), and everything else live is
+"other" (data, activations kept by Python, buffers). Tensors that only C++ holds (the
+activations autograd saved for backward) are invisible to it; on a GPU,
+`torch.cuda.max_memory_allocated` gives the true peak including them.
+`MemoryProbe` takes a census at many points of a training step (after each module's
+forward, as gradients arrive, around the optimizer step) and keeps the peak per category.
+"""
+
+import gc
+from collections import defaultdict
+
+import torch
+
+__all__ = ["CATEGORIES", "theory_bytes", "census", "MemoryProbe", "format_bytes"]
+
+CATEGORIES = ("parameters", "gradients", "optimizer_states", "other")
+STAGES = ("ddp", "zero1", "zero2", "zero3")
+# bytes per parameter: (weights, gradients, optimizer state K)
+PRECISION = {"fp32": (4, 4, 8), "mixed": (2, 2, 12)}
+
+
+def theory_bytes(psi: int, stage: str, world_size: int, precision: str = "fp32") -> dict:
+    """Model-state bytes per rank for `stage` on `world_size` ranks (see the table above)."""
+    if stage not in STAGES:
+        raise ValueError(f"stage must be one of {STAGES}, not {stage!r}")
+    if precision not in PRECISION:
+        raise ValueError(f"precision must be one of {tuple(PRECISION)}, not {precision!r}")
+    p, g, k = PRECISION[precision]
+    n = world_size
+    level = STAGES.index(stage)  # 0 = nothing sharded ... 3 = everything sharded
+    out = {
+        "parameters": p * psi / (n if level >= 3 else 1),
+        "gradients": g * psi / (n if level >= 2 else 1),
+        "optimizer_states": k * psi / (n if level >= 1 else 1),
+    }
+    out["total"] = sum(out.values())
+    return out
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+
+
+def _storage_key(t):
+    s = t.untyped_storage()
+    return (s.device.type, s.data_ptr()), s.nbytes()
+
+
+def _optimizer_tensors(optimizer):
+    """{category: [tensors]} the optimizer holds."""
+    out = defaultdict(list)
+    if optimizer is None:
+        return out
+    declared = getattr(optimizer, "memory_categories", None)
+    if declared is not None:
+        for cat, tensors in declared().items():
+            out[cat].extend(tensors)
+    for state in getattr(optimizer, "state", {}).values():
+        for v in state.values() if isinstance(state, dict) else ():
+            if isinstance(v, torch.Tensor):
+                out["optimizer_states"].append(v)
+    return out
+
+
+def census(model=None, optimizer=None, device=None, scan=True) -> dict:
+    """Bytes of live tensor storage in this process by category (see module docstring).
+
+    device: only count storages on this device type ("cpu", "cuda"); default: the device
+    of the model's first parameter, else cpu.
+    scan: look at every live tensor through the garbage collector (~0.1 s in a process
+    with torch loaded). scan=False counts only what the model and optimizer hold (fast;
+    "other" is then 0): enough to follow the model-state categories through a step.
+    """
+    if device is None:
+        first = next(iter(model.parameters()), None) if model is not None else None
+        device = first.device.type if first is not None else "cpu"
+    device = torch.device(device).type
+    claimed = {}  # storage key -> category, first claim wins
+
+    def claim(tensors, category):
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.device.type == device:
+                key, _ = _storage_key(t)
+                if key[1] != 0:
+                    claimed.setdefault(key, category)
+
+    declared = _optimizer_tensors(optimizer)
+    if model is not None:
+        claim(model.parameters(), "parameters")
+    claim(declared.get("parameters", []), "parameters")
+    if model is not None:
+        claim([p.grad for p in model.parameters() if p.grad is not None], "gradients")
+    claim(declared.get("gradients", []), "gradients")
+    claim(declared.get("optimizer_states", []), "optimizer_states")
+
+    sizes = {}
+    extra = []
+    if model is not None:
+        extra = [p for p in model.parameters()] + [p.grad for p in model.parameters() if p.grad is not None]
+    for cat in ("parameters", "gradients", "optimizer_states"):
+        extra += declared.get(cat, [])
+    tensor = torch.Tensor
+    for obj in (gc.get_objects() if scan else []) + extra:
+        # type(), not isinstance(): the latter reads obj.__class__, which some objects
+        # (torch.distributed.reduce_op) answer with a deprecation warning
+        if issubclass(type(obj), tensor) and not obj.is_meta and obj.device.type == device:
+            try:
+                key, nbytes = _storage_key(obj)
+            except (RuntimeError, NotImplementedError):  # tensor subclasses without storage
+                continue
+            if key[1] != 0:
+                sizes[key] = max(sizes.get(key, 0), nbytes)
+    out = dict.fromkeys(CATEGORIES, 0)
+    for key, nbytes in sizes.items():
+        out[claimed.get(key, "other")] += nbytes
+    out["total"] = sum(out[c] for c in CATEGORIES)
+    return out
+
+
+class MemoryProbe:
+    """Peak live bytes per category over a training step, sampled at many points.
+
+        probe = MemoryProbe(model, opt)
+        with probe:
+            loss_fn(model(x), y).backward(); opt.step(); opt.zero_grad()
+        probe.peak      # {category: bytes} (each category's own peak)
+        probe.at_peak   # the census at the moment the total was highest
+    """
+
+    def __init__(self, model, optimizer=None, device=None):
+        self.model, self.optimizer, self.device = model, optimizer, device
+        self.peak = dict.fromkeys(CATEGORIES + ("total",), 0)
+        self.at_peak = dict(self.peak)
+        self.samples = 0
+        self.cuda_peak = None
+        self._handles = []
+
+    def sample(self, *_args, scan=False, **_kwargs):
+        c = census(self.model, self.optimizer, self.device, scan=scan)
+        self.samples += 1
+        for k, v in c.items():
+            self.peak[k] = max(self.peak[k], v)
+        if c["total"] >= self.at_peak["total"]:
+            self.at_peak = c
+
+    def full_sample(self, *_args, **_kwargs):
+        self.sample(scan=True)
+
+    def __enter__(self):
+        gc.collect()
+        self.full_sample()
+        for m in self.model.modules():
+            self._handles.append(m.register_forward_hook(self.sample))
+            self._handles.append(m.register_forward_pre_hook(self.sample))
+        for p in self.model.parameters():
+            if p.requires_grad:
+                self._handles.append(p.register_post_accumulate_grad_hook(self.sample))
+        if self.optimizer is not None and hasattr(self.optimizer, "register_step_pre_hook"):
+            self._handles.append(self.optimizer.register_step_pre_hook(self.full_sample))
+            self._handles.append(self.optimizer.register_step_post_hook(self.full_sample))
+        if torch.cuda.is_available() and (self.device or "").startswith("cuda"):
+            torch.cuda.reset_peak_memory_stats()
+        return self
+
+    def __exit__(self, *exc):
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self.full_sample()
+        if torch.cuda.is_available() and (self.device or "").startswith("cuda"):
+            self.cuda_peak = torch.cuda.max_memory_allocated()
+        return False

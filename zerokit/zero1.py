@@ -1,0 +1,250 @@
+r"""ZeRO stage 1 ($P_{os}$): shard the optimizer state.
+
+Data parallel Adam keeps m and v for every parameter on every rank: $K\Psi$ bytes, N times
+over. ZeRO-1 gives each rank the Adam state for one shard (1/N) of the parameters only:
+
+1. backward, as in data parallel: every rank has the full gradient of its micro-batch;
+2. **reduce-scatter** the gradients (average): rank r receives the mean gradient of its
+   shard only, $\Psi$ elements in the paper's count;
+3. rank r runs Adam on its shard (its m, v and its slice of the weights);
+4. **all-gather** the updated shards into every rank's full parameters ($\Psi$ again).
+
+$2\Psi$ in all, the same volume as data parallel's all-reduce (which is itself a
+reduce-scatter plus an all-gather): the optimizer state shrinks from $K\Psi$ to $K\Psi/N$
+per rank for free.
+
+To make step 4 one collective, the trainable parameters of each param group are moved
+into one flat buffer (`FlatBucket`) and the model's parameters become views of it; the
+shard a rank updates is a view of the same buffer, so with fp32 weights there is no
+separate master copy. With mixed precision (`precision=`, lesson 06) the buffer is 16-bit
+and each rank keeps the fp32 master of its own shard beside m and v: the master copy is
+sharded with the optimizer state.
+"""
+
+import torch
+import torch.distributed as dist
+
+from .adam import adamw_update_, check_hyperparameters
+from .comm import all_gather, reduce_scatter
+from .ddp import broadcast_parameters
+from .flat import FlatBucket
+from .mixed_precision import MixedPrecisionState
+
+__all__ = ["ZeRO1Adam", "ShardedAdamState"]
+
+
+class ShardedAdamState:
+    """Adam's m and v for one rank's shard of a FlatBucket, and a step count per parameter.
+
+    Per-parameter step counts keep the bias correction right when a parameter has no
+    gradient in some step (torch.optim.AdamW then skips it, state and all).
+    """
+
+    def __init__(self, bucket: FlatBucket, dtype=torch.float32, device=None):
+        self.bucket = bucket
+        device = device or bucket.params[0].device
+        self.exp_avg = torch.zeros(bucket.shard_numel, dtype=dtype, device=device)
+        self.exp_avg_sq = torch.zeros(bucket.shard_numel, dtype=dtype, device=device)
+        self.steps = [0] * len(bucket.params)
+        self.master = None  # mixed precision: the fp32 master weights of this shard
+
+    @torch.no_grad()
+    def update(self, param_shard, grad_shard, present, group):
+        """Adam on this rank's shard; `present[i]`: parameter i had a gradient on some rank."""
+        for i, has_grad in enumerate(present):
+            if has_grad:
+                self.steps[i] += 1
+        beta1, beta2 = group["betas"]
+        for lo, hi, step in self._runs(present):
+            adamw_update_(
+                param_shard[lo:hi], grad_shard[lo:hi], self.exp_avg[lo:hi], self.exp_avg_sq[lo:hi], step,
+                lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                weight_decay=group["weight_decay"],
+            )
+
+    def _runs(self, present):
+        """Contiguous [lo, hi) ranges of the shard that share one step count: usually one."""
+        run = None
+        for s in self.bucket.segments:
+            if not present[s.index]:
+                continue
+            step = self.steps[s.index]
+            if run and run[1] == s.shard_lo and run[2] == step:
+                run[1] = s.shard_hi
+            else:
+                if run:
+                    yield tuple(run)
+                run = [s.shard_lo, s.shard_hi, step]
+        if run:
+            yield tuple(run)
+
+
+class ZeRO1Adam(torch.optim.Optimizer):
+    """AdamW with its state sharded across the ranks of a process group (ZeRO stage 1).
+
+    Same constructor and training loop as zerokit.Adam. Parameters are broadcast from
+    rank 0 at construction, and the trainable ones become views of one flat buffer per
+    param group (frozen ones, requires_grad=False, are left alone).
+    precision: a zerokit.MixedPrecision for 16-bit weights and gradients (None: fp32).
+    """
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, group=None,
+                 precision=None):
+        if not dist.is_initialized():
+            raise RuntimeError(f"{type(self).__name__} needs torch.distributed to be initialised (see zerokit.launch)")
+        check_hyperparameters(lr, betas, eps, weight_decay)
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.mixed = MixedPrecisionState(precision, group) if precision is not None else None
+        self.reduce_dtype = self.mixed.reduce_dtype if self.mixed else None  # None: the gradients' own
+        self.buckets, self.bucket_group, self.shards = [], [], []
+        for gi, param_group in enumerate(self.param_groups):
+            trainable = [p for p in param_group["params"] if p.requires_grad]
+            broadcast_parameters(trainable, group)
+            if self.mixed:  # frozen parameters compute in 16 bits too, and need no master
+                self.mixed.cast_parameters_([p for p in param_group["params"] if not p.requires_grad])
+            by_dtype = {}  # a flat buffer holds one dtype on one device
+            for p in trainable:
+                by_dtype.setdefault((p.dtype, p.device), []).append(p)
+            for bucket in (b for ps in by_dtype.values() for b in self._make_buckets(ps)):
+                self.buckets.append(bucket)
+                self.bucket_group.append(gi)
+                self.shards.append(ShardedAdamState(bucket, dtype=torch.float32))
+        self.flat_params = [self._install_flat_params(i) for i in range(len(self.buckets))]
+
+    def _make_buckets(self, params):
+        return [FlatBucket(params, self.world_size, self.rank)] if params else []
+
+    @torch.no_grad()
+    def _install_flat_params(self, i):
+        """Move bucket i's parameters into one flat buffer; they become views of it.
+
+        Mixed precision: the buffer is 16-bit, and this rank's shard keeps an fp32 master
+        copy, taken before the weights are rounded.
+        """
+        bucket = self.buckets[i]
+        flat = bucket.flatten([p.data for p in bucket.params])
+        if self.mixed:
+            self.shards[i].master = self.mixed.master_copy(bucket.shard(flat))
+            flat = self.mixed.to_half(flat)
+        for p, view in zip(bucket.params, bucket.views(flat)):
+            p.data = view
+        return flat
+
+    def _presence(self, has_grad):
+        """Which parameters got a gradient on at least one rank: one tiny all-reduce (MAX)."""
+        flags = torch.tensor([h for hs in has_grad for h in hs], dtype=torch.uint8,
+                             device=self.buckets[0].params[0].device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        out, i = [], 0
+        for hs in has_grad:
+            out.append(flags[i:i + len(hs)].bool().tolist())
+            i += len(hs)
+        return out
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if not self.buckets:
+            return loss
+        present = self._presence(self._local_presence())
+        grad_shards = self._reduced_gradients()
+        if self.mixed and not self.mixed.should_step():  # inf/nan on some rank: all ranks skip
+            self._grad_cache = None
+            return loss
+        for i, bucket in enumerate(self.buckets):
+            param_shard = self._param_shard(i)
+            self.shards[i].update(param_shard, grad_shards[i], present[i], self.param_groups[self.bucket_group[i]])
+            self._publish(i)
+        self._grad_cache = None
+        return loss
+
+    def _reduced_gradients(self):
+        """This rank's shard of the mean gradient, per bucket (reduced once per step)."""
+        if getattr(self, "_grad_cache", None) is None:
+            shards = [self._grad_shard(i) for i in range(len(self.buckets))]
+            # mixed precision: in fp32, divided by the loss scale, checked for inf on all ranks
+            self._grad_cache = self.mixed.fp32_gradients(shards) if self.mixed else shards
+        return self._grad_cache
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm):
+        """Scale the mean gradient so its global L2 norm is at most max_norm; return the norm.
+
+        Call it between backward() and step(), instead of torch.nn.utils.clip_grad_norm_
+        (which would see only local, unreduced or already-freed gradients). Each rank's
+        shards are disjoint pieces of the gradient, so the squared norm is the sum over
+        ranks of each rank's local sum of squares: one all-reduce of one number.
+        """
+        shards = self._reduced_gradients()
+        device = self.buckets[0].params[0].device if self.buckets else "cpu"
+        sq = torch.zeros((), dtype=torch.float32, device=device)
+        for g in shards:
+            sq += g.float().pow(2).sum()
+        dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=self.group)
+        norm = sq.sqrt()
+        coef = max_norm / (norm.item() + 1e-6)  # the same rule as torch.nn.utils.clip_grad_norm_
+        if coef < 1:
+            for g in shards:
+                g.mul_(coef)
+        return norm
+
+    # The four steps below are what later stages change.
+
+    def _local_presence(self):
+        return [[p.grad is not None for p in b.params] for b in self.buckets]
+
+    def _grad_shard(self, i):
+        """The mean gradient of this rank's shard: a reduce-scatter of the flat gradients."""
+        bucket = self.buckets[i]
+        flat_grad = bucket.flatten([p.grad for p in bucket.params], dtype=self.reduce_dtype)
+        grad_shard = torch.empty_like(bucket.shard(flat_grad))
+        reduce_scatter(grad_shard, flat_grad, op=dist.ReduceOp.AVG, group=self.group)
+        return grad_shard
+
+    def _param_shard(self, i):
+        """The weights this rank updates: a view of the flat buffer, so the model sees them
+        (mixed precision: the fp32 master of that view)."""
+        if self.mixed:
+            return self.shards[i].master
+        return self.buckets[i].shard(self.flat_params[i])
+
+    def _publish(self, i):
+        """Every rank gets every updated shard; the input is a view of the output (in place)."""
+        shard = self.buckets[i].shard(self.flat_params[i])
+        if self.mixed:
+            shard.copy_(self.shards[i].master)  # round the updated fp32 master to 16 bits
+        all_gather(self.flat_params[i], shard, group=self.group)
+
+    def scale_loss(self, loss):
+        """loss times the loss scale (mixed precision fp16); the loss itself otherwise."""
+        return self.mixed.scale_loss(loss) if self.mixed else loss
+
+    def zero_grad(self, set_to_none=True):
+        super().zero_grad(set_to_none=set_to_none)
+        self._grad_cache = None  # a clipped-but-not-stepped gradient must not reach the next step
+
+    def memory_categories(self):
+        """The tensors this optimizer holds, by category, for zerokit.memory.census.
+
+        The fp32 master weights (mixed precision) are optimizer state: the paper's K = 12.
+        """
+        return {
+            "parameters": list(self.flat_params),
+            "optimizer_states": [t for s in self.shards for t in (s.master, s.exp_avg, s.exp_avg_sq)
+                                 if t is not None],
+        }
+
+    def state_dict(self):
+        raise NotImplementedError(
+            f"{type(self).__name__} holds only this rank's shard of the optimizer state; "
+            "a sharded checkpoint is a later lesson. Save the model's parameters instead."
+        )
+
+    def load_state_dict(self, state_dict):
+        self.state_dict()

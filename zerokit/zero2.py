@@ -1,0 +1,167 @@
+r"""ZeRO stage 2 ($P_{os+g}$): shard the gradients too.
+
+ZeRO-1 still holds the full gradient ($G\Psi$ bytes) until step(). ZeRO-2 reduce-scatters
+gradients *during backward*, bucket by bucket, as soon as every parameter of a bucket has
+its gradient, and then frees them: each rank keeps only the mean gradient of its own
+shard, $G\Psi/N$. Communication is unchanged ($\Psi$ reduce-scatter + $\Psi$ all-gather), and
+sending during backward overlaps it with the rest of the backward computation.
+
+How gradients are caught: `register_post_accumulate_grad_hook` runs right after autograd
+writes a parameter's .grad (the hook receives the parameter). The hook marks the parameter
+ready; a bucket whose parameters are all ready is flattened, reduce-scattered
+asynchronously, and its parameters' .grad set to None. Buckets are sent strictly in
+order (0, 1, 2, ...), so every rank issues the same collectives in the same order even if
+gradients arrive in a different order; at the end of backward (a callback queued on the
+autograd engine) the remaining buckets are sent, with zeros for parameters that got no
+gradient on this rank, and all transfers are awaited.
+
+Gradient accumulation over k micro-batches: each backward reduce-scatters, k times in all.
+The cheaper path keeps full gradients locally and reduces once, at the cost of holding
+them (ZeRO-1's memory) between micro-batches:
+
+    with opt.no_sync():           # micro-batches 1 .. k-1: gradients accumulate in .grad
+        loss_fn(model(x1), y1).backward()
+    loss_fn(model(xk), yk).backward()   # the last one reduce-scatters the sum, once
+"""
+
+import weakref
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+from .comm import reduce_scatter
+from .flat import make_buckets
+from .zero1 import ZeRO1Adam
+
+__all__ = ["ZeRO2Adam", "weak_hook"]
+
+
+def weak_hook(method):
+    """A hook that calls `method` without keeping its object alive.
+
+    Hooks on parameters are held by C++, where Python's garbage collector cannot see the
+    cycle parameter -> hook -> optimizer -> parameter; a bound method there would keep
+    every optimizer ever built (and its shards) alive for as long as the model lives.
+    """
+    ref = weakref.WeakMethod(method)
+
+    def hook(*args):
+        target = ref()
+        return None if target is None else target(*args)
+
+    return hook
+
+
+class ZeRO2Adam(ZeRO1Adam):
+    """AdamW with optimizer state and gradients sharded across ranks (ZeRO stage 2).
+
+    bucket_mb: size of a gradient bucket, in MiB. Smaller buckets start sending earlier
+    and hold less memory in flight; larger ones make fewer, more efficient collectives.
+    """
+
+    # At most this many buckets' flat gradients wait in transit; a further send first waits
+    # for the oldest, so the full-size gradient copies alive stay bounded (not Psi by the end).
+    max_in_flight = 2
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                 bucket_mb=25.0, group=None, precision=None):
+        self.bucket_mb = bucket_mb
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, group=group,
+                         precision=precision)
+        self.grad_shards = [None] * len(self.buckets)  # mean gradient of my shard, per bucket
+        self._has_grad = [[False] * len(b.params) for b in self.buckets]
+        self._where = {}  # parameter -> (bucket, index in bucket)
+        for bi, bucket in enumerate(self.buckets):
+            for j, p in enumerate(bucket.params):
+                self._where[p] = (bi, j)
+                p.register_post_accumulate_grad_hook(weak_hook(self._on_grad_ready))
+        self._sync = True
+        self._begin_backward()
+
+    def _make_buckets(self, params):
+        # sized in the dtype the gradients will have (16 bits under mixed precision)
+        element_size = self.mixed.param_dtype.itemsize if self.mixed else (params[0].element_size() if params else 4)
+        return make_buckets(params, self.world_size, self.rank, int(self.bucket_mb * 2**20) // element_size)
+
+    # ---- during backward -------------------------------------------------------------
+
+    def _begin_backward(self):
+        self._ready = [0] * len(self.buckets)  # parameters of each bucket with a fresh .grad
+        self._next = 0  # the next bucket to send; buckets go out in order
+        self._in_flight = []  # (work, bucket, output shard, flat input kept alive until done)
+        self._callback_queued = False
+
+    def _on_grad_ready(self, param):
+        bi, j = self._where[param]
+        self._has_grad[bi][j] = True
+        if not self._callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._callback_queued = True
+        if not self._sync:
+            return  # no_sync(): keep accumulating in .grad
+        self._ready[bi] += 1
+        while self._next < len(self.buckets) and self._ready[self._next] == len(self.buckets[self._next].params):
+            self._send(self._next)
+
+    @torch.no_grad()
+    def _send(self, bi):
+        bucket = self.buckets[bi]
+        flat = bucket.flatten([p.grad for p in bucket.params], dtype=self.reduce_dtype)
+        for p in bucket.params:
+            p.grad = None  # the full gradient is gone as soon as its bucket is on its way
+        out = torch.empty(bucket.shard_numel, dtype=flat.dtype, device=flat.device)
+        work = reduce_scatter(out, flat, op=dist.ReduceOp.AVG, group=self.group, async_op=True)
+        self._in_flight.append((work, bi, out, flat))
+        self._next = bi + 1
+        while len(self._in_flight) > self.max_in_flight:
+            self._receive()
+
+    def _receive(self):
+        """Wait for the oldest reduce-scatter in flight, keep its shard, drop its flat copy."""
+        work, bi, out, _flat = self._in_flight.pop(0)
+        work.wait()
+        if self.grad_shards[bi] is None:
+            self.grad_shards[bi] = out
+        else:
+            self.grad_shards[bi].add_(out)  # gradient accumulation across backward calls
+
+    @torch.no_grad()
+    def _end_of_backward(self):
+        if self._sync:
+            while self._next < len(self.buckets):  # buckets with a parameter that got no gradient
+                self._send(self._next)
+        while self._in_flight:
+            self._receive()
+        self._begin_backward()
+
+    @contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally (full .grad) instead of reduce-scattering each backward."""
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = True
+
+    # ---- step: what changed from ZeRO-1 ------------------------------------------------
+
+    def _local_presence(self):
+        return self._has_grad
+
+    def _grad_shard(self, i):
+        if self._in_flight:
+            raise RuntimeError("step() called while gradients are still being reduced (inside backward?)")
+        if self.grad_shards[i] is None:  # no backward since zero_grad(): a zero gradient
+            return torch.zeros(self.buckets[i].shard_numel, device=self.flat_params[i].device)
+        return self.grad_shards[i]
+
+    def zero_grad(self, set_to_none=True):
+        super().zero_grad(set_to_none=set_to_none)
+        self.grad_shards = [None] * len(self.buckets)
+        self._has_grad = [[False] * len(b.params) for b in self.buckets]
+
+    def memory_categories(self):
+        cats = super().memory_categories()
+        cats["gradients"] = [g for g in self.grad_shards if g is not None] + [f for *_, f in self._in_flight]
+        return cats
