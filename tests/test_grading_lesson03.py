@@ -1,0 +1,300 @@
+"""Lesson 03's checks, validated on the solution and on deliberately broken ZeRO-1s.
+
+The solution is the code in solutions/03_zero1 (the notebook's solution cells, executed
+here), so what is validated is what students are graded against. Every broken version
+below is one classic bug; each must fail exactly the checks listed beside it, with a
+message that names the problem, and pass the others: one bug costs its own points only.
+
+| defect | fails | message |
+|---|---|---|
+| shard size numel // N | shard_range | "drops the remainder" |
+| remainder to the last rank | shard_range | "need equal shards" |
+| one extra element per shard | shard_range | "smallest equal shards" |
+| full-size m and v, right numbers | memory | "as large as the whole model" |
+| all-reduce then slice | collectives | "all-reduced" |
+| reduce-scatter SUM, not AVG | numerics | "m (self.exp_avg" |
+| state copied, never persists | numerics | "m (self.exp_avg" |
+| step count stuck at 1 | numerics | "after step 2" |
+| no all-gather | numerics, collectives | "only this rank's own shard", "no all-gather" |
+| data parallel in disguise | memory, collectives | "as large as the whole model", "all-reduced" |
+| subclass of zerokit.ZeRO1Adam | every class check | "subclasses zerokit.ZeRO1Adam" |
+| wraps zerokit.ZeRO1Adam | every class check | "used zerokit's ZeRO1Adam" |
+| calls torch.optim.AdamW | numerics | "torch.optim.AdamW" |
+| the untouched student notebook | every check | "NotImplementedError" |
+"""
+
+import json
+import sys
+import types
+from pathlib import Path
+
+import cloudpickle
+import pytest
+import torch
+import torch.distributed as dist
+
+import zerokit
+from zerokit.adam import adamw_update_
+from zerokit.grading import lesson03
+from zerokit.grading.harness import CheckFailed
+
+ROOT = Path(__file__).resolve().parents[1]
+PRELUDE = """
+import torch
+import torch.distributed as dist
+from zerokit.adam import adamw_update_
+from zerokit.flat import FlatBucket
+"""
+
+# the broken classes below are sent to the ranks by value, like a notebook's
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def notebook_code(folder, grade_ids):
+    """The named cells of lessons/ or solutions/ 03_zero1, executed as one module."""
+    nb = json.loads((ROOT / folder / "03_zero1" / "03_zero1.ipynb").read_text())
+    cells = {c["metadata"].get("nbgrader", {}).get("grade_id"): "".join(c["source"]) for c in nb["cells"]}
+    module = types.ModuleType(f"lesson03_{folder}")  # not in sys.modules: pickled by value
+    exec(PRELUDE + "\n\n".join(cells[g] for g in grade_ids), module.__dict__)
+    return module
+
+
+SOLUTION = notebook_code("solutions", ["shard_range", "zero1_class"])
+STUDENT = notebook_code("lessons", ["shard_range", "zero1_class"])
+Solution = SOLUTION.MyZeRO1Adam
+
+
+def fails(check, *args, match, **kwargs):
+    """check(*args) fails with a message containing `match` (or one of a tuple of fragments)."""
+    with pytest.raises(CheckFailed) as info:
+        check(*args, **kwargs)
+    assert any(m in str(info.value) for m in ((match,) if isinstance(match, str) else match)), str(info.value)
+    return str(info.value)
+
+
+# nbgrader's `raise NotImplementedError()` has an empty message; zerokit.launcher (torch 2.13
+# era) then fails with IndexError while noting the other ranks' errors. Either way it scores 0.
+UNFINISHED = ("NotImplementedError", "IndexError")
+
+
+CHECKS = {
+    "numerics": lambda cls: lesson03.check_zero1_numerics(cls, world_size=2, model="mlp"),
+    "memory": lambda cls: lesson03.check_zero1_memory(cls, world_size=4, model="wide"),
+    "collectives": lambda cls: lesson03.check_zero1_collectives(cls, world_size=2, model="mlp"),
+}
+
+
+# ---------------------------------------------------------------------------------------
+# the solution
+
+
+@pytest.mark.timeout(60)
+def test_solution_passes_the_visible_and_hidden_checks(capsys):
+    lesson03.check_shard_range(SOLUTION.shard_range, world_size=2, sizes=[8, 7, 1])
+    lesson03.check_shard_range(SOLUTION.shard_range, world_size=3, sizes=[1, 2, 3, 10, 11, 1001],
+                               table_world_sizes=[1, 2, 4, 5, 7])
+    for check in CHECKS.values():
+        check(Solution)
+    lesson03.check_zero1_numerics(Solution, world_size=3, model="transformer", steps=3)
+    lesson03.check_zero1_numerics(Solution, world_size=4, model="edge", weight_decay=0.0)
+    lesson03.check_zero1_memory(Solution, world_size=3, model="transformer")
+    lesson03.check_zero1_collectives(Solution, world_size=3, model="edge", weight_decay=0.0)
+    assert capsys.readouterr().out.count("✓") == 9
+
+
+@pytest.mark.timeout(60)
+def test_untouched_student_notebook_fails_every_check():
+    fails(lesson03.check_shard_range, STUDENT.shard_range, match=UNFINISHED)
+    for check in CHECKS.values():
+        fails(check, STUDENT.MyZeRO1Adam, match=UNFINISHED)
+
+
+# ---------------------------------------------------------------------------------------
+# exercise (a): shard_range
+
+
+def floor_shards(numel, world_size, rank):
+    size = numel // world_size
+    return rank * size, (rank + 1) * size
+
+
+def remainder_to_last(numel, world_size, rank):
+    size = numel // world_size
+    return rank * size, numel if rank == world_size - 1 else (rank + 1) * size
+
+
+def one_too_many(numel, world_size, rank):
+    size = numel // world_size + 1
+    return rank * size, (rank + 1) * size
+
+
+def float_bounds(numel, world_size, rank):
+    size = -(-numel // world_size)
+    return rank * size * 1.0, (rank + 1) * size * 1.0
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("fn, match", [
+    (floor_shards, "drops the remainder"),
+    (remainder_to_last, "need equal shards"),
+    (one_too_many, "smallest equal shards"),
+    (float_bounds, "must be Python ints"),
+])
+def test_shard_range_defects(fn, match):
+    fails(lesson03.check_shard_range, fn, world_size=2, sizes=[8, 7, 1], match=match)
+
+
+# ---------------------------------------------------------------------------------------
+# the optimizer: one broken class per classic bug
+
+
+class FullState(Solution):
+    """Right numbers, but m and v for the whole model on every rank."""
+
+    def __init__(self, params, **kw):
+        super().__init__(params, **kw)
+        self.exp_avg = torch.zeros(self.bucket.padded_numel)
+        self.exp_avg_sq = torch.zeros(self.bucket.padded_numel)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        group, b = self.param_groups[0], self.bucket
+        flat_grad = b.flatten([p.grad for p in b.params])
+        grad_shard = torch.empty(b.shard_numel)
+        dist.reduce_scatter_single(grad_shard, flat_grad, op=dist.ReduceOp.AVG)
+        self.steps += 1
+        lo, hi = b.shard_start, b.shard_end
+        adamw_update_(b.shard(self.flat_params), grad_shard, self.exp_avg[lo:hi], self.exp_avg_sq[lo:hi],
+                      self.steps, lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1],
+                      eps=group["eps"], weight_decay=group["weight_decay"])
+        dist.all_gather_single(self.flat_params, b.shard(self.flat_params))
+
+
+class AllReduceThenSlice(Solution):
+    """Right numbers, sharded state, but the whole gradient is all-reduced."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        group, b = self.param_groups[0], self.bucket
+        flat_grad = b.flatten([p.grad for p in b.params])
+        dist.all_reduce(flat_grad)
+        flat_grad /= self.world_size
+        self.steps += 1
+        adamw_update_(b.shard(self.flat_params), b.shard(flat_grad), self.exp_avg, self.exp_avg_sq, self.steps,
+                      lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1],
+                      eps=group["eps"], weight_decay=group["weight_decay"])
+        dist.all_gather_single(self.flat_params, b.shard(self.flat_params))
+
+
+def _step_with(self, op=dist.ReduceOp.AVG, state=lambda t: t, step=None, gather=True):
+    """The solution's step with one thing changed."""
+    group, b = self.param_groups[0], self.bucket
+    flat_grad = b.flatten([p.grad for p in b.params])
+    grad_shard = torch.empty(b.shard_numel)
+    dist.reduce_scatter_single(grad_shard, flat_grad, op=op)
+    self.steps += 1
+    adamw_update_(b.shard(self.flat_params), grad_shard, state(self.exp_avg), state(self.exp_avg_sq),
+                  step or self.steps, lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1],
+                  eps=group["eps"], weight_decay=group["weight_decay"])
+    if gather:
+        dist.all_gather_single(self.flat_params, b.shard(self.flat_params))
+
+
+class SumNotMean(Solution):
+    step = torch.no_grad()(lambda self, closure=None: _step_with(self, op=dist.ReduceOp.SUM))
+
+
+class StateNeverPersists(Solution):
+    step = torch.no_grad()(lambda self, closure=None: _step_with(self, state=torch.clone))
+
+
+class StepCountStuck(Solution):
+    step = torch.no_grad()(lambda self, closure=None: _step_with(self, step=1))
+
+
+class NoAllGather(Solution):
+    step = torch.no_grad()(lambda self, closure=None: _step_with(self, gather=False))
+
+
+class DataParallelInDisguise(Solution):
+    """Plain data parallel Adam behind ZeRO-1's names: full state, all-reduce, every rank updates all."""
+
+    def __init__(self, params, **kw):
+        super().__init__(params, **kw)
+        self.exp_avg = torch.zeros(self.bucket.padded_numel)
+        self.exp_avg_sq = torch.zeros(self.bucket.padded_numel)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        group, b = self.param_groups[0], self.bucket
+        flat_grad = b.flatten([p.grad for p in b.params])
+        dist.all_reduce(flat_grad, op=dist.ReduceOp.AVG)
+        self.steps += 1
+        adamw_update_(self.flat_params, flat_grad, self.exp_avg, self.exp_avg_sq, self.steps,
+                      lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1],
+                      eps=group["eps"], weight_decay=group["weight_decay"])
+
+
+class SubclassesZeroKit(zerokit.ZeRO1Adam):
+    pass
+
+
+class WrapsZeroKit(torch.optim.Optimizer):
+    def __init__(self, params, **kw):
+        params = list(params)
+        super().__init__(params, kw)
+        self.inner = zerokit.ZeRO1Adam(params, **kw)
+
+    def step(self, closure=None):
+        return self.inner.step(closure)
+
+
+class CallsTorchAdamW(Solution):
+    @torch.no_grad()
+    def step(self, closure=None):
+        _step_with(self)
+        torch.optim.AdamW([self.flat_params]).step()
+
+
+DEFECTS = {  # class -> {check that must fail: message fragment}; every other check must pass
+    FullState: {"memory": "as large as the whole model"},
+    AllReduceThenSlice: {"collectives": "all-reduced"},
+    SumNotMean: {"numerics": "m (self.exp_avg"},
+    StateNeverPersists: {"numerics": "m (self.exp_avg"},
+    StepCountStuck: {"numerics": "after step 2"},
+    NoAllGather: {"numerics": "only this rank's own shard", "collectives": "no all-gather"},
+    DataParallelInDisguise: {"memory": "as large as the whole model", "collectives": "all-reduced"},
+    SubclassesZeroKit: {name: "subclasses zerokit.ZeRO1Adam" for name in CHECKS},
+    WrapsZeroKit: {name: "used zerokit's ZeRO1Adam" for name in CHECKS},
+    CallsTorchAdamW: {"numerics": "torch.optim.AdamW"},
+}
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("cls", list(DEFECTS), ids=lambda c: c.__name__)
+def test_each_defect_fails_exactly_its_checks(cls, capsys):
+    expected = DEFECTS[cls]
+    for name, check in CHECKS.items():
+        if name in expected:
+            fails(check, cls, match=expected[name])
+        elif cls is not CallsTorchAdamW:  # it has no point beyond the tripwire
+            check(cls)
+    out = capsys.readouterr().out
+    assert out.count("✓") == len(CHECKS) - len(expected) or cls is CallsTorchAdamW, out
+
+
+@pytest.mark.timeout(30)
+def test_hidden_configurations_catch_the_same_bugs():
+    """N = 3 and the models the visible tests do not use find them too."""
+    fails(lesson03.check_shard_range, floor_shards, world_size=3, sizes=[1, 2, 3, 10, 11, 1001], match="remainder")
+    fails(lesson03.check_zero1_numerics, SumNotMean, world_size=3, model="transformer", match="m (self.exp_avg")
+    fails(lesson03.check_zero1_numerics, StateNeverPersists, world_size=4, model="edge", weight_decay=0.0,
+          match="m (self.exp_avg")
+    fails(lesson03.check_zero1_memory, FullState, world_size=3, model="transformer", match="whole model")
+    fails(lesson03.check_zero1_collectives, AllReduceThenSlice, world_size=3, model="edge", weight_decay=0.0,
+          match="all-reduced")
+
+
+def test_memory_check_refuses_two_ranks():
+    with pytest.raises(ValueError, match="world_size >= 3"):
+        lesson03.check_zero1_memory(Solution, world_size=2)

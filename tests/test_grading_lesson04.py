@@ -1,0 +1,313 @@
+"""Lesson 04's grader, validated: the notebook's own solution passes every check (the
+visible and the hidden configurations), the untouched student notebook fails every check,
+and each classic ZeRO-2 bug fails exactly the check meant to catch it, with a message
+that names the problem.
+
+The classes under test come from the notebooks themselves (the exercise cell of
+solutions/ and of lessons/), so this file tests what a student gets and what the
+instructor ships. The broken variants below subclass the solution and replace one method.
+"""
+
+import json
+import sys
+import types
+from pathlib import Path
+
+import cloudpickle
+import pytest
+import torch
+import torch.distributed as dist
+
+import zerokit
+from zerokit.comm import reduce_scatter
+from zerokit.grading import lesson04
+from zerokit.grading.harness import CheckFailed
+
+ROOT = Path(__file__).resolve().parents[1]
+SOLUTION = ROOT / "solutions" / "04_zero2" / "04_zero2.ipynb"
+RELEASE = ROOT / "lessons" / "04_zero2" / "04_zero2.ipynb"
+
+# the classes below are sent to the ranks by value: this module is not importable there
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def exercise_class(notebook):
+    """MyZeRO2Adam as the notebook's exercise cell defines it."""
+    cells = json.loads(notebook.read_text())["cells"]
+    cell = next(c for c in cells if c.get("metadata", {}).get("nbgrader", {}).get("grade_id") == "my_zero2")
+    # a module missing from sys.modules: cloudpickle sends what it defines by value
+    module = types.ModuleType(f"exercise_{notebook.parent.parent.name}")
+    exec(compile("".join(cell["source"]), f"{notebook.name}:my_zero2", "exec"), module.__dict__)
+    return module.MyZeRO2Adam
+
+
+Solution = exercise_class(SOLUTION)
+Untouched = exercise_class(RELEASE)
+
+
+class _Done:
+    """A finished collective (what a blocking call leaves behind)."""
+
+    def wait(self):
+        pass
+
+
+# ---------------------------------------------------------------------------------------
+# the classic bugs
+
+
+class KeepsFullGradient(Solution):
+    """Sends on time but never frees .grad: the full gradient outlives backward."""
+
+    @torch.no_grad()
+    def _send(self, bi):
+        bucket = self.buckets[bi]
+        flat = bucket.flatten([p.grad for p in bucket.params])
+        out = torch.empty(bucket.shard_numel)
+        work = reduce_scatter(out, flat, op=dist.ReduceOp.AVG, group=self.group, async_op=True)
+        self._in_flight.append((work, bi, out, flat))
+        self._next = bi + 1
+
+
+class FreesLate(KeepsFullGradient):
+    """Frees .grad only at the end of backward: every gradient is alive at once."""
+
+    @torch.no_grad()
+    def _end_of_backward(self):
+        super()._end_of_backward()
+        for bucket in self.buckets:
+            for p in bucket.params:
+                p.grad = None
+
+
+class AllReduceKeepSlice(Solution):
+    """All-reduce every bucket and keep a copy of this rank's slice: right numbers, twice
+    the traffic, and the full reduced gradient alive on every rank while it lasts."""
+
+    view = False
+
+    @torch.no_grad()
+    def _send(self, bi):
+        bucket = self.buckets[bi]
+        flat = bucket.flatten([p.grad for p in bucket.params])
+        for p in bucket.params:
+            p.grad = None
+        work = dist.all_reduce(flat, group=self.group, async_op=True)
+        self._in_flight.append((work, bi, None, flat))
+        self._next = bi + 1
+
+    @torch.no_grad()
+    def _end_of_backward(self):
+        while self._next < len(self.buckets):
+            self._send(self._next)
+        for work, bi, _, flat in self._in_flight:
+            work.wait()
+            flat.div_(self.world_size)
+            mine = self.buckets[bi].shard(flat)
+            mine = mine if self.view else mine.clone()
+            self.grad_shards[bi] = mine if self.grad_shards[bi] is None else self.grad_shards[bi] + mine
+
+
+class AllReduceKeepView(AllReduceKeepSlice):
+    """The same, keeping a view of the all-reduced buffer: the full gradient survives too."""
+
+    view = True
+
+
+class ReduceToRankZero(Solution):
+    """Reduce every bucket to rank 0, which scatters the shards: rank 0 holds the full
+    gradient and all traffic funnels through it."""
+
+    @torch.no_grad()
+    def _send(self, bi):
+        bucket = self.buckets[bi]
+        flat = bucket.flatten([p.grad for p in bucket.params])
+        for p in bucket.params:
+            p.grad = None
+        dist.reduce(flat, dst=0, group=self.group)
+        out = torch.empty(bucket.shard_numel)
+        chunks = list(flat.div(self.world_size).chunk(self.world_size)) if self.rank == 0 else None
+        dist.scatter(out, chunks, src=0, group=self.group)
+        self._in_flight.append((_Done(), bi, out, flat))
+        self._next = bi + 1
+
+
+class SendsAtEnd(Solution):
+    """Counts the gradients but sends every bucket at the end of backward: no overlap."""
+
+    def _on_grad_ready(self, param):
+        bi, _ = self._where[param]
+        self._ready[bi] += 1
+
+
+class SendsWhenFull(Solution):
+    """Sends a bucket as soon as it is complete, whatever the order: ranks whose gradients
+    arrive differently issue their collectives in different orders."""
+
+    def _begin_backward(self):
+        super()._begin_backward()
+        self._sent = set()
+
+    def _on_grad_ready(self, param):
+        bi, _ = self._where[param]
+        self._ready[bi] += 1
+        if self._ready[bi] == len(self.buckets[bi].params):
+            self._send_any(bi)
+
+    @torch.no_grad()
+    def _send_any(self, bi):
+        self._send(bi)
+        self._sent.add(bi)
+
+    @torch.no_grad()
+    def _end_of_backward(self):
+        for bi in range(len(self.buckets)):
+            if bi not in self._sent:
+                self._send_any(bi)
+        for work, bi, out, _ in self._in_flight:
+            work.wait()
+            self.grad_shards[bi] = out if self.grad_shards[bi] is None else self.grad_shards[bi] + out
+
+
+class NoFlush(Solution):
+    """Waits at the end of backward but never sends the buckets still incomplete."""
+
+    @torch.no_grad()
+    def _end_of_backward(self):
+        for work, bi, out, _ in self._in_flight:
+            work.wait()
+            self.grad_shards[bi] = out if self.grad_shards[bi] is None else self.grad_shards[bi] + out
+
+
+class OverwritesShards(Solution):
+    """Each backward replaces the kept shard instead of adding to it."""
+
+    @torch.no_grad()
+    def _end_of_backward(self):
+        while self._next < len(self.buckets):
+            self._send(self._next)
+        for work, bi, out, _ in self._in_flight:
+            work.wait()
+            self.grad_shards[bi] = out
+
+
+class SumNotMean(Solution):
+    """Reduce-scatter with SUM: the gradient is N times too large (Adam hides most of it)."""
+
+    @torch.no_grad()
+    def _send(self, bi):
+        bucket = self.buckets[bi]
+        flat = bucket.flatten([p.grad for p in bucket.params])
+        for p in bucket.params:
+            p.grad = None
+        out = torch.empty(bucket.shard_numel)
+        work = reduce_scatter(out, flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        self._in_flight.append((work, bi, out, flat))
+        self._next = bi + 1
+
+
+class SubclassesZeRO2(zerokit.ZeRO2Adam):
+    """zerokit's ZeRO-2 under the student's name."""
+
+
+class BorrowsSend(Solution):
+    _send = zerokit.ZeRO2Adam._send
+
+
+# ---------------------------------------------------------------------------------------
+# the checks, in the visible configurations of the notebook's test cells
+
+VISIBLE = {
+    "matches_adamw": lambda cls, **kw: lesson04.check_matches_adamw(cls, world_size=2, kind="mlp", bucket_numel=300, **kw),
+    "gradients_sharded": lambda cls, **kw: lesson04.check_gradients_sharded(cls, world_size=2, kind="mlp",
+                                                                            bucket_numel=300, **kw),
+    "during_backward": lambda cls, **kw: lesson04.check_reduced_during_backward(cls, world_size=2, kind="mlp",
+                                                                                bucket_numel=300, **kw),
+    "unused_parameters": lambda cls, **kw: lesson04.check_unused_parameters(cls, world_size=2,
+                                                                            kinds=("edge", "branch"), bucket_numel=100, **kw),
+    "accumulation": lambda cls, **kw: lesson04.check_accumulation(cls, world_size=2, kind="mlp", bucket_numel=300,
+                                                                  accum=3, **kw),
+}
+HIDDEN = [
+    lambda cls: lesson04.check_matches_adamw(cls, world_size=3, kind="transformer", bucket_numel=2000),
+    lambda cls: lesson04.check_gradients_sharded(cls, world_size=3, kind="transformer", bucket_numel=2000),
+    lambda cls: lesson04.check_reduced_during_backward(cls, world_size=3, kind="transformer", bucket_numel=1500),
+    lambda cls: lesson04.check_unused_parameters(cls, world_size=3, kinds=("branch", "edge"), bucket_numel=60),
+    lambda cls: lesson04.check_accumulation(cls, world_size=3, kind="transformer", bucket_numel=2000, accum=2),
+]
+
+# bug -> {check it must fail: a fragment of the reason}; it must pass every other check
+BUGS = {
+    KeepsFullGradient: {"gradients_sharded": ".grad is still set"},
+    FreesLate: {"gradients_sharded": "was still alive"},
+    AllReduceKeepSlice: {"during_backward": "all-reduce"},
+    AllReduceKeepView: {"gradients_sharded": "view into a buffer", "during_backward": "all-reduce"},
+    ReduceToRankZero: {"during_backward": "reduce + scatter"},
+    SendsAtEnd: {"during_backward": "not at the end of backward"},
+    SendsWhenFull: {"unused_parameters": "even ranks only"},
+    NoFlush: {"unused_parameters": ""},
+    OverwritesShards: {"accumulation": "must be added to grad_shards"},
+    SumNotMean: {"matches_adamw": "the mean over ranks, not the sum"},
+}
+# Adam is nearly blind to the scale of the gradient, but not quite (eps): the weights that
+# unused_parameters and accumulation compare may drift past their tolerance too
+MAY_ALSO_FAIL = {SumNotMean: {"unused_parameters", "accumulation"}}
+# a bug that may hang the ranks is stopped sooner than a student's would be
+SHORT_TIMEOUT = 20.0
+
+
+def outcome(check, cls, capsys, **kw):
+    """None if the check passed, else the reason it gave."""
+    try:
+        check(cls, **kw)
+    except CheckFailed as exc:
+        capsys.readouterr()
+        return str(exc)
+    except AssertionError as exc:  # raised before the ranks start (e.g. the class itself)
+        capsys.readouterr()
+        return str(exc)
+    out = capsys.readouterr().out
+    assert out.startswith("✓"), out
+    return None
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(90)
+def test_solution_passes_every_check(capsys):
+    for name, check in VISIBLE.items():
+        assert outcome(check, Solution, capsys) is None, name
+    for check in HIDDEN:
+        assert outcome(check, Solution, capsys) is None
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+def test_untouched_student_notebook_fails_every_check(capsys):
+    for name, check in VISIBLE.items():
+        reason = outcome(check, Untouched, capsys)
+        # "IndexError": zerokit.launcher stumbles over the empty message of NotImplementedError()
+        # when several ranks raise it; the check fails either way
+        assert reason is not None and ("NotImplementedError" in reason or "IndexError" in reason), (name, reason)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("cls, fragment", [(SubclassesZeRO2, "subclasses zerokit.ZeRO2Adam"),
+                                           (BorrowsSend, "is zerokit.ZeRO2Adam._send")])
+def test_zerokit_zero2_under_another_name_fails_every_check(cls, fragment, capsys):
+    for name, check in VISIBLE.items():
+        reason = outcome(check, cls, capsys)
+        assert reason is not None and fragment in reason, (name, reason)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("bug", list(BUGS), ids=lambda b: b.__name__)
+def test_each_bug_fails_exactly_its_check(bug, capsys):
+    failing = BUGS[bug]
+    for name, check in VISIBLE.items():
+        reason = outcome(check, bug, capsys, timeout=SHORT_TIMEOUT)
+        if name in failing:
+            assert reason is not None, f"{bug.__name__} passed {name}"
+            assert failing[name] in reason, f"{bug.__name__} failed {name} for another reason: {reason}"
+        elif name not in MAY_ALSO_FAIL.get(bug, ()):
+            assert reason is None, f"{bug.__name__} should pass {name}, failed: {reason}"

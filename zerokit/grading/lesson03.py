@@ -1,0 +1,495 @@
+r"""Checks for lesson 03 (ZeRO-1): padded shards, and an Adam step on one shard per rank.
+
+    check_shard_range(shard_range, world_size)   equal shards tiling ceil(numel/N)*N, nothing dropped
+    check_zero1_numerics(cls, world_size, model) weights after every step AND this rank's m, v shard
+                                                 against torch.optim.AdamW on the whole batch
+    check_zero1_memory(cls, world_size, model)   what the optimizer keeps alive per rank: ~8Ψ/N bytes
+    check_zero1_collectives(cls, world_size, model)  per step one reduce-scatter and one all-gather
+                                                 of Ψ (+padding), no all-reduce of the gradient
+
+Each class check answers one question, so one bug costs one check: the numbers (numerics),
+the stage's memory promise (memory), the stage's traffic (collectives). An implementation
+with the right numbers but full-size m and v passes the first and fails the second;
+all-reduce-then-slice passes the first two and fails the third.
+
+What the checks can and cannot see. The collectives are counted at PyTorch's dispatcher
+(zerokit.CommCounter), whatever name the student's code called them by, so an all-reduce of
+the full gradient is seen as one. Bytes on the wire could not tell it apart on gloo: gloo's
+reduce-scatter sends as much as its all-reduce (lesson 00). Memory is counted by walking
+every live tensor in the rank's process (Python's garbage collector) after a few steps and
+keeping those that existed before the optimizer, are parameters or are gradients out; the
+rest is what the optimizer holds, however it stores it (attributes, dicts, closures).
+The reference (torch.optim.AdamW, foreach=False, one process, the whole batch) is computed in
+a separate one-rank launch, since the checked ranks run with torch's Adam disabled.
+"""
+
+import gc
+
+import torch
+import torch.distributed as dist
+
+from ..comm import CommCounter, reduce_scatter
+from ..flat import padded_numel
+from ..flat import shard_range as reference_shard_range
+from ..models import EdgeCaseNet, OddMLP, TinyTransformer, loss_for, make_batch
+from .compare import assert_close
+from .harness import CheckFailed, passed, run_on_ranks
+
+__all__ = ["MODELS", "build_model", "check_shard_range", "check_zero1_numerics", "check_zero1_memory",
+           "check_zero1_collectives", "optimizer_held_bytes"]
+
+GLOBAL_BATCH = 12  # divisible by 2, 3 and 4: every rank gets its own, equal slice
+HYPER = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8)
+STATE_RTOL = 1e-4
+SCALARS_ALLOWANCE = 1024  # bytes of small bookkeeping tensors an optimizer may keep
+
+# name -> (factory, batch kind). Sizes divide by none of 2, 3, 4 where the model allows it.
+MODELS = {
+    "mlp": (lambda: OddMLP((27, 36, 7)), "mlp"),  # Ψ = 1267
+    "wide": (lambda: OddMLP((27, 300, 7)), "mlp"),  # Ψ = 10507
+    "edge": (EdgeCaseNet, "edge"),  # Ψ = 748: tied, frozen and unused parameters
+    "transformer": (lambda: TinyTransformer(vocab=101, dim=22, n_layers=2, n_heads=2, seq_len=9), "transformer"),
+}
+_BATCH_KW = {"transformer": {"vocab": 101, "seq_len": 9}}
+
+
+def build_model(name, seed=0):
+    if name not in MODELS:
+        raise ValueError(f"model must be one of {sorted(MODELS)}, not {name!r}")
+    torch.manual_seed(seed)
+    return MODELS[name][0]()
+
+
+def _batch(name, step, rank=None, world_size=None):
+    kind = MODELS[name][1]
+    x, y = make_batch(kind, GLOBAL_BATCH, seed=303 + step, **_BATCH_KW.get(kind, {}))
+    if rank is None:
+        return x, y
+    micro = GLOBAL_BATCH // world_size
+    return x[rank * micro:(rank + 1) * micro], y[rank * micro:(rank + 1) * micro]
+
+
+def _trainable(model):
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def _psi(model):
+    return sum(p.numel() for p in _trainable(model))
+
+
+# ---------------------------------------------------------------------------------------
+# exercise (a): shard_range
+
+
+def _pair(fn, numel, n, r):
+    out = fn(numel, n, r)
+    if not isinstance(out, (tuple, list)) or len(out) != 2:
+        raise AssertionError(f"shard_range({numel}, {n}, {r}) returned {out!r}; expected a pair (start, end)")
+    start, end = out
+    for v in (start, end):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise AssertionError(f"shard_range({numel}, {n}, {r}) returned {out!r}; start and end must be Python ints")
+    return start, end
+
+
+def _validate_ranges(numel, n, ranges):
+    """One line that says what is wrong with the ranges of all n ranks, or None."""
+    call = f"shard_range({numel}, {n}, r) for r = 0..{n - 1}"
+    sizes = [e - s for s, e in ranges]
+    if any(size < 0 for size in sizes):
+        return f"{call} gives {ranges}: a shard ends before it starts"
+    if len(set(sizes)) != 1:
+        return (f"{call} gives shards of sizes {sizes}: reduce-scatter and all-gather need equal shards, "
+                "so pad the buffer instead of giving one rank the remainder")
+    size = sizes[0]
+    for r, (s, _) in enumerate(ranges):
+        if s != r * size:
+            return f"{call} gives {ranges}: rank {r} must start at r x shard size = {r * size}, so the shards tile the buffer"
+    covered = ranges[-1][1]
+    if covered < numel:
+        return (f"{call} gives {ranges}: they cover elements [0, {covered}) of {numel}, so elements "
+                f"{covered}..{numel - 1} belong to no rank. A shard size of numel // N = {numel // n} drops the "
+                f"remainder; round up: ceil(numel / N) = {-(-numel // n)}")
+    if size != -(-numel // n):
+        return (f"{call} gives shards of {size} elements: {covered - numel} elements of padding, but the smallest "
+                f"equal shards that hold {numel} elements are ceil({numel}/{n}) = {-(-numel // n)} (padding < N)")
+    return None
+
+
+def _shard_range_case(rank, world_size, fn, sizes, table_world_sizes):
+    for numel in sizes:
+        mine = _pair(fn, numel, world_size, rank)
+        ranges = [None] * world_size
+        dist.all_gather_object(ranges, mine)  # what every rank computed for itself
+        problem = _validate_ranges(numel, world_size, [tuple(r) for r in ranges])
+        if problem:
+            raise AssertionError(problem)
+        # the ranges must work for the collective they exist for: a reduce-scatter of the padded buffer
+        start, end = mine
+        size = end - start
+        x = torch.zeros(size * world_size)
+        x[:numel] = torch.arange(numel, dtype=torch.float32) + 1000 * rank
+        shard = torch.empty(size)
+        reduce_scatter(shard, x)
+        expected = torch.zeros(size * world_size)
+        expected[:numel] = world_size * torch.arange(numel, dtype=torch.float32) + 1000 * sum(range(world_size))
+        assert_close(shard, expected[start:end], f"the reduce-scatter of a {numel}-element buffer cut by your ranges")
+    if rank == 0:  # the rule for other world sizes, without launching them
+        for n in table_world_sizes:
+            for numel in sizes:
+                problem = _validate_ranges(numel, n, [_pair(fn, numel, n, r) for r in range(n)])
+                if problem:
+                    raise AssertionError(problem)
+
+
+def check_shard_range(shard_range, world_size=2, sizes=(8, 7, 1), table_world_sizes=(1, 3, 4), timeout=60.0):
+    """Every rank's shard_range(numel, N, rank) tiles the buffer padded to ceil(numel/N)*N in equal shards."""
+    __tracebackhide__ = True
+    if not callable(shard_range):
+        raise CheckFailed(f"expected the function shard_range, got {type(shard_range).__name__}")
+    run_on_ranks(_shard_range_case, world_size, args=(shard_range, list(sizes), list(table_world_sizes)),
+                 timeout=timeout, what="shard_range")
+    passed(f"shard_range gives equal, padded shards that tile ceil(numel/N)*N for numel in {list(sizes)} "
+           f"on {world_size} real ranks (and N in {list(table_world_sizes)})")
+
+
+# ---------------------------------------------------------------------------------------
+# the optimizer class: shared pieces
+
+
+def _check_class(cls):
+    from ..zero1 import ShardedAdamState, ZeRO1Adam
+
+    if not isinstance(cls, type):
+        raise CheckFailed(f"expected your optimizer class, got {type(cls).__name__}")
+    for forbidden in (ZeRO1Adam, ShardedAdamState):
+        if issubclass(cls, forbidden):
+            raise CheckFailed(f"{cls.__name__} subclasses zerokit.{forbidden.__name__}: the exercise is to write "
+                              "ZeRO-1 yourself (subclass torch.optim.Optimizer, as the scaffold does)")
+    if not issubclass(cls, torch.optim.Optimizer):
+        raise CheckFailed(f"{cls.__name__} is not a torch.optim.Optimizer: keep the scaffold's base class")
+
+
+class _NoZeroKitStage:
+    """Inside a check: zerokit's own ZeRO-1 may not do the student's work (composition)."""
+
+    def __enter__(self):
+        from .. import zero1
+
+        def refuse(*_a, **_k):
+            raise AssertionError("your optimizer used zerokit's ZeRO1Adam / ShardedAdamState: "
+                                 "the exercise is to write the sharded step yourself")
+
+        self.saved = [(zero1.ZeRO1Adam, "__init__", zero1.ZeRO1Adam.__init__),
+                      (zero1.ShardedAdamState, "__init__", zero1.ShardedAdamState.__init__)]
+        for owner, name, _ in self.saved:
+            setattr(owner, name, refuse)
+        return self
+
+    def __exit__(self, *exc):
+        for owner, name, value in self.saved:
+            setattr(owner, name, value)
+        return False
+
+
+def _make(cls, model, weight_decay):
+    opt = cls(model.parameters(), weight_decay=weight_decay, **HYPER)
+    if not isinstance(opt, torch.optim.Optimizer):
+        raise AssertionError(f"{type(opt).__name__} is not a torch.optim.Optimizer")
+    return opt
+
+
+def _train_step(name, model, opt, step, rank, world_size):
+    x, y = _batch(name, step, rank, world_size)
+    loss_for(MODELS[name][1], model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _changed(model, initial):
+    """The step must do something: parameters moved and stayed finite (a no-op scores nothing)."""
+    now = [p.detach() for p in model.parameters()]
+    if not all(bool(torch.isfinite(p).all()) for p in now):
+        raise AssertionError("after your steps some parameters are NaN or inf")
+    if all(torch.equal(a, b) for a, b in zip(now, initial)):
+        raise AssertionError("your step() left every parameter unchanged")
+
+
+# ---------------------------------------------------------------------------------------
+# numerics: weights and optimizer-state slices against torch.optim.AdamW
+
+
+def _reference_case(rank, world_size, name, steps, weight_decay):
+    """One process, torch.optim.AdamW on the whole batch: per step {name: weight}, flat m, flat v."""
+    model = build_model(name)
+    params = _trainable(model)
+    opt = torch.optim.AdamW(params, weight_decay=weight_decay, foreach=False, **HYPER)
+    out = []
+    for step in range(steps):
+        x, y = _batch(name, step)
+        loss_for(MODELS[name][1], model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+        def flat(key):
+            return torch.cat([opt.state[p][key].reshape(-1) if p in opt.state else torch.zeros(p.numel())
+                              for p in params]).clone()
+
+        out.append(({n: p.detach().clone() for n, p in model.named_parameters()}, flat("exp_avg"), flat("exp_avg_sq")))
+    return out
+
+
+_REFERENCES = {}
+
+
+def _reference(name, steps, weight_decay, timeout):
+    key = (name, steps, weight_decay)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = run_on_ranks(_reference_case, 1, args=(name, steps, weight_decay), timeout=timeout,
+                                        forbid_adam=False, what="the reference (torch.optim.AdamW)")[0]
+    return _REFERENCES[key]
+
+
+def _own_state(opt, attr, psi, world_size, rank):
+    """This rank's shard of m or v as the student's optimizer holds it."""
+    t = getattr(opt, attr, None)
+    if t is None:
+        raise AssertionError(f"your optimizer has no attribute {attr}: keep the scaffold's names "
+                             "(self.exp_avg and self.exp_avg_sq hold this rank's shard of m and v)")
+    if not isinstance(t, torch.Tensor):
+        raise AssertionError(f"self.{attr} is a {type(t).__name__}, not a tensor")
+    t = t.detach().reshape(-1)
+    start, end = reference_shard_range(psi, world_size, rank)
+    size = end - start
+    if t.numel() == size:
+        return t
+    if t.numel() in (psi, padded_numel(psi, world_size)):
+        # a full-size copy: its numbers are judged here, its size by check_zero1_memory
+        full = torch.zeros(padded_numel(psi, world_size), dtype=t.dtype, device=t.device)
+        full[:t.numel()] = t[:padded_numel(psi, world_size)]
+        return full[start:end]
+    raise AssertionError(f"self.{attr} has {t.numel()} elements; this rank's shard has "
+                         f"ceil(Ψ/N) = ceil({psi}/{world_size}) = {size}")
+
+
+def _numerics_case(rank, world_size, cls, name, steps, weight_decay, reference):
+    with _NoZeroKitStage():
+        model = build_model(name)
+        psi = _psi(model)
+        start, end = reference_shard_range(psi, world_size, rank)
+        pad = padded_numel(psi, world_size) - psi
+        trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+        opt = _make(cls, model, weight_decay)
+
+        def flat_weights():
+            named = dict(model.named_parameters())
+            return torch.cat([named[n].detach().reshape(-1) for n in trainable]).clone()
+
+        for step in range(steps):
+            before = flat_weights()
+            _train_step(name, model, opt, step, rank, world_size)
+            ref_params, ref_m, ref_v = reference[step]
+            after = f"after step {step + 1}"
+            # the state first: it names the cause (a sum for a mean, state that does not persist)
+            # where the weights would only say "differs"
+            for attr, ref, what in (("exp_avg", ref_m, "m"), ("exp_avg_sq", ref_v, "v")):
+                expected = torch.cat([ref, torch.zeros(pad)])[start:end]
+                mine = _own_state(opt, attr, psi, world_size, rank)
+                scale = float(expected.abs().max()) if expected.numel() else 0.0
+                try:
+                    assert_close(mine, expected, f"{what} (self.{attr}, this rank's shard) {after}",
+                                 atol=1e-5 * scale + 1e-12, rtol=STATE_RTOL)
+                except AssertionError as exc:
+                    raise AssertionError(
+                        f"{exc}\n  (a wrong m or v can hide behind right weights for a while: Adam's step hardly "
+                        "depends on the gradient's scale. Is the reduce-scatter an average, ReduceOp.AVG? Do m "
+                        "and v persist from step to step, updated in place?)") from None
+            now = flat_weights()
+            mask = torch.ones(psi, dtype=torch.bool)
+            mask[start:min(end, psi)] = False
+            if step == 0 and bool(mask.any()) and torch.equal(now[mask], before[mask]):
+                raise AssertionError(
+                    f"{after} only this rank's own shard of the parameters (elements {start}..{min(end, psi) - 1}) "
+                    "changed; the rest still holds the old weights: every rank must receive every updated shard "
+                    "(an all-gather into the flat parameter buffer)")
+            named = dict(model.named_parameters())
+            for n in ref_params:
+                try:
+                    assert_close(named[n].detach(), ref_params[n], f"parameter {n} {after}")
+                except AssertionError as exc:
+                    raise AssertionError(
+                        f"{exc}\n  (m and v of your shard are right, so the gradient and the state are: look at "
+                        "the update itself, e.g. the step count t of the bias correction, lr, weight decay)") from None
+    return psi
+
+
+def check_zero1_numerics(cls, world_size=2, model="mlp", steps=4, weight_decay=0.01, timeout=60.0):
+    """cls on world_size ranks, each on its own slice of the batch, matches torch.optim.AdamW on the
+    whole batch in one process: every parameter after every step, and this rank's shard of m and v."""
+    __tracebackhide__ = True
+    _check_class(cls)
+    reference = _reference(model, steps, weight_decay, timeout)
+    psi = run_on_ranks(_numerics_case, world_size, args=(cls, model, steps, weight_decay, reference),
+                       timeout=timeout, what=cls.__name__)[0]
+    passed(f"{cls.__name__} matches torch.optim.AdamW on {world_size} ranks ({model}, Ψ = {psi}, weight decay "
+           f"{weight_decay:g}): every parameter and this rank's m, v shard after each of {steps} steps")
+
+
+# ---------------------------------------------------------------------------------------
+# memory: what the optimizer keeps alive per rank
+
+
+def _live_tensors():
+    """Every tensor Python can reach in this process, one per storage (the largest view)."""
+    out = {}
+    for obj in gc.get_objects():
+        if issubclass(type(obj), torch.Tensor) and not obj.is_meta:
+            try:
+                s = obj.untyped_storage()
+            except (RuntimeError, NotImplementedError):
+                continue
+            if s.nbytes():
+                key = (s.device.type, s.data_ptr())
+                if key not in out or out[key][0] < s.nbytes():
+                    # the storage object too: a parameter whose .data is replaced would otherwise free
+                    # its old memory, and a new tensor there would pass for one that existed before
+                    out[key] = (s.nbytes(), obj, s)
+    return out
+
+
+def optimizer_held_bytes(model, run_steps):
+    """Bytes of tensor storage that appear while `run_steps(model)` runs and are neither the model's
+    parameters nor its gradients: what an optimizer built and stepped inside it keeps alive.
+
+    Returns (bytes, [(nbytes, numel of the largest tensor on that storage)], largest first).
+    Tensors alive before are held meanwhile, so new ones cannot reuse their memory and hide.
+    """
+    gc.collect()
+    before = _live_tensors()
+    keep = run_steps(model)
+    gc.collect()
+    after = _live_tensors()
+    exclude = set(before)
+    for p in model.parameters():
+        exclude.add((p.device.type, p.untyped_storage().data_ptr()))
+        if p.grad is not None:
+            exclude.add((p.grad.device.type, p.grad.untyped_storage().data_ptr()))
+    held = sorted(((nbytes, t.numel()) for k, (nbytes, t, _) in after.items() if k not in exclude), reverse=True)
+    del keep, before, after
+    return sum(n for n, _ in held), held
+
+
+def _memory_case(rank, world_size, cls, name, steps, weight_decay):
+    # The worker was forked from a process that has run no tensor operation: no tensor is alive
+    # yet. Freezing moves the ~300k objects alive now into the collector's permanent generation,
+    # which gc.collect() and gc.get_objects() skip, so the scans below see only what this
+    # check creates (a full scan would cost about a second per rank).
+    gc.freeze()
+    try:
+        with _NoZeroKitStage():
+            model = build_model(name)
+            psi = _psi(model)
+            # one forward and backward first: whatever torch creates lazily exists before we count
+            x, y = _batch(name, 0, rank, world_size)
+            loss_for(MODELS[name][1], model(x), y).backward()
+            for p in model.parameters():
+                p.grad = None
+            del x, y
+            initial = [p.detach().clone() for p in model.parameters()]
+
+            def run_steps(model):
+                opt = _make(cls, model, weight_decay)
+                for step in range(steps):
+                    _train_step(name, model, opt, step, rank, world_size)
+                return opt
+
+            held_bytes, held = optimizer_held_bytes(model, run_steps)
+            _changed(model, initial)
+    finally:
+        gc.unfreeze()
+    return held_bytes, held, psi, -(-psi // world_size)
+
+
+def check_zero1_memory(cls, world_size=4, model="wide", steps=2, weight_decay=0.01, timeout=60.0):
+    """Between steps each rank's optimizer holds m and v for its shard, 8 x ceil(Ψ/N) bytes (fp32),
+    plus at most one more shard-sized buffer and a few scalars: not a full copy of anything."""
+    __tracebackhide__ = True
+    _check_class(cls)
+    if world_size < 3:
+        raise ValueError("use world_size >= 3: at N = 2 one full-size tensor weighs as much as two shards")
+    results = run_on_ranks(_memory_case, world_size, args=(cls, model, steps, weight_decay),
+                           timeout=timeout, what=cls.__name__)
+    for rank, (held_bytes, held, psi, shard) in enumerate(results):
+        expected = 8 * shard
+        limit = expected + 4 * shard + SCALARS_ALLOWANCE
+        if held_bytes > limit:
+            full = [numel for _, numel in held if numel >= psi]
+            biggest = ", ".join(f"{numel} elements ({nbytes} B)" for nbytes, numel in held[:4])
+            why = (f"{len(full)} of them as large as the whole model (Ψ = {psi} elements): a full copy on every "
+                   "rank is exactly what ZeRO-1 removes" if full else
+                   "more than this rank's shard needs")
+            raise CheckFailed(
+                f"[rank {rank}] your optimizer keeps {held_bytes} B of tensors alive between steps; ZeRO-1 needs "
+                f"m and v for this rank's shard only: 2 x 4 B x ceil(Ψ/N) = 2 x 4 x {shard} = {expected} B "
+                f"(limit {limit} B). Largest: {biggest}; {why}. Allocate m and v with the shard's size.")
+    held_bytes, _, psi, shard = results[0]
+    passed(f"optimizer state per rank on {world_size} ranks: {held_bytes} B = 8 x ceil(Ψ/N) = 8 x {shard} "
+           f"(Ψ = {psi}); unsharded m and v would be {8 * psi} B")
+
+
+# ---------------------------------------------------------------------------------------
+# collectives: what one step sends
+
+
+def _comm_case(rank, world_size, cls, name, steps, weight_decay):
+    with _NoZeroKitStage():
+        model = build_model(name)
+        psi = _psi(model)
+        initial = [p.detach().clone() for p in model.parameters()]
+        opt = _make(cls, model, weight_decay)
+        per_step = []
+        for step in range(steps):
+            x, y = _batch(name, step, rank, world_size)
+            loss_for(MODELS[name][1], model(x), y).backward()
+            with CommCounter() as comm:
+                opt.step()
+            opt.zero_grad()
+            per_step.append([(c.op, c.numel) for c in comm.calls])
+        _changed(model, initial)
+    n = world_size
+    for step, calls in enumerate(per_step):
+        ops = {}
+        for op, numel in calls:
+            ops.setdefault(op, []).append(numel)
+        when = f"in step {step + 1}, step() called {', '.join(f'{op} x{len(v)}' for op, v in ops.items()) or 'no collective'}"
+        big_reduce = sum(ops.get("all_reduce", []))
+        if big_reduce > 64:
+            raise AssertionError(
+                f"{when}: it all-reduced {big_reduce} elements (Ψ = {psi}). ZeRO-1 reduce-scatters the gradient, so "
+                "each rank receives only the mean of its own shard: all-reduce-then-slice gets the same numbers "
+                "but moves 2Ψ for the gradient + Ψ for the all-gather = 3Ψ per step, 1.5x data parallel's 2Ψ")
+        for op, what in (("reduce_scatter", "the gradient"), ("all_gather", "the updated parameters")):
+            sizes = ops.get(op, [])
+            if not sizes:
+                raise AssertionError(f"{when}: no {op.replace('_', '-')} of {what} (ZeRO-1: reduce-scatter the "
+                                     "gradient, Adam on your shard, all-gather the parameters)")
+            if not psi <= sum(sizes) <= psi + (n - 1) * len(sizes):
+                raise AssertionError(f"{when}: its {op.replace('_', '-')} calls moved {sum(sizes)} elements; "
+                                     f"expected Ψ = {psi} (+ at most {n - 1} of padding) once per step")
+        other = {op: sum(v) for op, v in ops.items() if op not in ("reduce_scatter", "all_gather", "all_reduce")}
+        if sum(other.values()) > 64:
+            raise AssertionError(f"{when}: {other} elements besides the reduce-scatter and the all-gather; "
+                                 "ZeRO-1 needs nothing else")
+    return psi, per_step[-1]
+
+
+def check_zero1_collectives(cls, world_size=2, model="mlp", steps=2, weight_decay=0.01, timeout=60.0):
+    """Each step: one reduce-scatter of the gradient (Ψ) and one all-gather of the parameters (Ψ),
+    2Ψ like data parallel, and no all-reduce of the gradient."""
+    __tracebackhide__ = True
+    _check_class(cls)
+    psi, calls = run_on_ranks(_comm_case, world_size, args=(cls, model, steps, weight_decay),
+                              timeout=timeout, what=cls.__name__)[0]
+    volume = sum(numel * (2 if op == "all_reduce" else 1) for op, numel in calls)
+    passed(f"per step on {world_size} ranks: {', '.join(f'{op} {numel}' for op, numel in calls)} elements = "
+           f"{volume} ≈ 2Ψ (Ψ = {psi}), no all-reduce of the gradient")
