@@ -1,0 +1,292 @@
+"""Lesson 02's checks, validated on the solution and on deliberately broken data parallel code.
+
+The solution is the code in solutions/02_distributed_adam (the notebook's exercise cells,
+executed here), so what is validated is what students are graded against. Each broken
+version below is one classic bug; it must fail exactly the checks listed beside it, with a
+message that names the problem, and pass the others: one bug costs its own points only.
+
+| defect | fails | message |
+|---|---|---|
+| sum, not mean | average | "summed" |
+| no all-reduce | average | "own micro-batch gradient" |
+| zeros for a gradient that is None | average | "Leave it None" |
+| all-reduce twice | average | "expected all-reduces of Ψ" |
+| zerokit.ddp.average_gradients | average | "zerokit.ddp.average_gradients itself" |
+| step() never averages | numerics, collectives | "drifted apart", "no all-reduce" |
+| all-reduce after the update | numerics | "but after the update" |
+| no broadcast in __init__ | numerics | "right after" |
+| broadcast of the weights every step | collectives | "every step is not needed" |
+| calls torch.optim.AdamW | numerics | "torch.optim.AdamW" |
+| sums inside step(), no function | numerics | "the mean over the ranks, not the sum" |
+| subclass of zerokit.DistributedAdam | every class check | "subclasses zerokit.DistributedAdam" |
+| the untouched student notebook | every check | "NotImplementedError" |
+
+And the isolation: a class whose step() calls a summing average_gradients passes the class
+checks, because they swap in zerokit's function (exercise (a) already cost its points).
+"""
+
+import json
+import sys
+import types
+from pathlib import Path
+
+import cloudpickle
+import pytest
+import torch
+import torch.distributed as dist
+
+import zerokit
+from zerokit.adam import Adam
+from zerokit.grading import lesson02
+from zerokit.grading.harness import CheckFailed
+
+pytestmark = pytest.mark.distributed
+
+ROOT = Path(__file__).resolve().parents[1]
+PRELUDE = """
+import torch
+import torch.distributed as dist
+from zerokit.adam import Adam
+"""
+LESSON = "02_distributed_adam"
+
+# the broken versions below are sent to the ranks by value, like a notebook's
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def notebook_code(folder, extra=""):
+    """The exercise cells of lessons/ or solutions/ 02_distributed_adam, executed as one module."""
+    nb = json.loads((ROOT / folder / LESSON / f"{LESSON}.ipynb").read_text())
+    cells = {c["metadata"].get("nbgrader", {}).get("grade_id"): "".join(c["source"]) for c in nb["cells"]}
+    module = types.ModuleType(f"lesson02_{folder}")  # not in sys.modules: pickled by value
+    exec(PRELUDE + "\n\n".join(cells[g] for g in ("average_gradients", "distributed_adam_class")) + extra,
+         module.__dict__)
+    return module
+
+
+SOLUTION = notebook_code("solutions")
+STUDENT = notebook_code("lessons")
+Solution = SOLUTION.MyDistributedAdam
+average = SOLUTION.average_gradients
+
+UNFINISHED = ("NotImplementedError", "IndexError")  # see tests/test_grading_lesson03.py
+
+CHECKS = {
+    "numerics": lambda cls: lesson02.check_ddp_numerics(cls, world_size=2, model="mlp"),
+    "collectives": lambda cls: lesson02.check_ddp_collectives(cls, world_size=2, model="mlp"),
+}
+
+
+def fails(check, *args, match, **kwargs):
+    """check(*args) fails with a message containing `match` (or one of a tuple of fragments)."""
+    with pytest.raises(CheckFailed) as info:
+        check(*args, **kwargs)
+    assert any(m in str(info.value) for m in ((match,) if isinstance(match, str) else match)), str(info.value)
+    return str(info.value)
+
+
+# ---------------------------------------------------------------------------------------
+# the solution and the untouched notebook
+
+
+@pytest.mark.timeout(90)
+def test_solution_passes_the_visible_and_hidden_checks(capsys):
+    lesson02.check_average_gradients(average, world_size=2, model="mlp")
+    lesson02.check_average_gradients(average, world_size=3, model="transformer")
+    lesson02.check_average_gradients(average, world_size=3, model="edge")
+    for check in CHECKS.values():
+        check(Solution)
+    lesson02.check_ddp_numerics(Solution, world_size=3, model="transformer", steps=3)
+    lesson02.check_ddp_numerics(Solution, world_size=3, model="edge")
+    lesson02.check_ddp_collectives(Solution, world_size=3, model="edge")
+    assert capsys.readouterr().out.count("✓") == 8
+
+
+@pytest.mark.timeout(60)
+def test_untouched_student_notebook_fails_every_check():
+    fails(lesson02.check_average_gradients, STUDENT.average_gradients, match=UNFINISHED)
+    for check in CHECKS.values():
+        fails(check, STUDENT.MyDistributedAdam, match=UNFINISHED)
+
+
+# ---------------------------------------------------------------------------------------
+# exercise (a): average_gradients
+
+
+def _grads(params):
+    return [p.grad for p in params if p.grad is not None]
+
+
+def _flat_all_reduce(grads):
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    return flat
+
+
+def _copy_back(grads, flat):
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+@torch.no_grad()
+def sums(params):
+    grads = _grads(params)
+    _copy_back(grads, _flat_all_reduce(grads))
+
+
+@torch.no_grad()
+def reduces_a_copy(params):
+    """All-reduces a buffer, then never copies the result back."""
+    grads = _grads(params)
+    _flat_all_reduce(grads).div_(dist.get_world_size())
+
+
+@torch.no_grad()
+def zeros_for_none(params):
+    for p in params:
+        if p.grad is None and p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    grads = _grads(params)
+    _copy_back(grads, _flat_all_reduce(grads).div_(dist.get_world_size()))
+
+
+@torch.no_grad()
+def twice(params):
+    """The mean from a flat all-reduce, and then per parameter again (sum / N, world-wide)."""
+    grads = _grads(params)
+    _copy_back(grads, _flat_all_reduce(grads).div_(dist.get_world_size()))
+    for g in grads:
+        dist.all_reduce(g)
+        g.div_(dist.get_world_size())
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("fn, model, match", [
+    (sums, "mlp", "summed"),
+    (reduces_a_copy, "mlp", "own micro-batch gradient"),
+    (zeros_for_none, "edge", "Leave it None"),
+    (twice, "mlp", "expected all-reduces of Ψ"),
+], ids=lambda v: getattr(v, "__name__", v))
+def test_average_gradients_defects(fn, model, match):
+    fails(lesson02.check_average_gradients, fn, world_size=2, model=model, match=match)
+
+
+def test_average_gradients_refuses_zerokits_own():
+    fails(lesson02.check_average_gradients, zerokit.ddp.average_gradients, match="itself")
+
+
+# ---------------------------------------------------------------------------------------
+# exercise (b): one broken class per classic bug
+
+
+class NeverAverages(Solution):
+    @torch.no_grad()
+    def step(self, closure=None):
+        Adam.step(self)
+
+
+class AveragesAfterStep(Solution):
+    @torch.no_grad()
+    def step(self, closure=None):
+        Adam.step(self)
+        average(self.all_params())
+
+
+class NoBroadcast(Adam):
+    """Averages right, but every replica keeps its own initialisation."""
+
+    def all_params(self):
+        return [p for group in self.param_groups for p in group["params"]]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        average(self.all_params())
+        super().step()
+
+
+class BroadcastsEveryStep(Solution):
+    @torch.no_grad()
+    def step(self, closure=None):
+        super().step()
+        for p in self.all_params():
+            dist.broadcast(p.data, src=0)
+
+
+class CallsTorchAdamW(Solution):
+    @torch.no_grad()
+    def step(self, closure=None):
+        average(self.all_params())
+        torch.optim.AdamW(self.all_params()).step()
+
+
+class SumsInline(Solution):
+    """Its own all-reduce in step(), summing: Adam's state sees N x the gradient."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for p in self.all_params():
+            if p.grad is not None:
+                dist.all_reduce(p.grad)
+        Adam.step(self)
+
+
+class SubclassesZeroKit(zerokit.DistributedAdam):
+    pass
+
+
+DEFECTS = {  # class -> {check that must fail: message fragment}; every other check must pass
+    NeverAverages: {"numerics": "drifted apart", "collectives": "no all-reduce"},
+    AveragesAfterStep: {"numerics": "but after the update"},
+    NoBroadcast: {"numerics": "right after"},
+    BroadcastsEveryStep: {"collectives": "every step is not needed"},
+    CallsTorchAdamW: {"numerics": "torch.optim.AdamW"},
+    SumsInline: {"numerics": "the mean over the ranks, not the sum"},
+    SubclassesZeroKit: {name: "subclasses zerokit.DistributedAdam" for name in CHECKS},
+}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("cls", list(DEFECTS), ids=lambda c: c.__name__)
+def test_each_defect_fails_exactly_its_checks(cls, capsys):
+    expected = DEFECTS[cls]
+    for name, check in CHECKS.items():
+        if name in expected:
+            fails(check, cls, match=expected[name])
+        elif cls is not CallsTorchAdamW:  # it has no point beyond the tripwire
+            check(cls)
+    out = capsys.readouterr().out
+    assert out.count("✓") == len(CHECKS) - len(expected) or cls is CallsTorchAdamW, out
+
+
+@pytest.mark.timeout(60)
+def test_a_wrong_average_gradients_costs_only_exercise_a():
+    """The class's step() calls the notebook's average_gradients by name; the class checks
+    replace it by zerokit's, so a summing function is not charged a second time."""
+    summing = notebook_code("solutions", extra="""
+
+@torch.no_grad()
+def average_gradients(params):
+    grads = [p.grad for p in params if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)  # BUG: the sum
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+""")
+    fails(lesson02.check_average_gradients, summing.average_gradients, match="summed")
+    for check in CHECKS.values():
+        check(summing.MyDistributedAdam)
+
+
+@pytest.mark.timeout(60)
+def test_hidden_configurations_catch_the_same_bugs():
+    """N = 3 and the models the visible tests do not use find them too."""
+    fails(lesson02.check_average_gradients, sums, world_size=3, model="transformer", match="summed")
+    fails(lesson02.check_ddp_numerics, AveragesAfterStep, world_size=3, model="transformer", steps=3,
+          match="but after the update")
+    fails(lesson02.check_ddp_numerics, NoBroadcast, world_size=3, model="edge", match="right after")
+    fails(lesson02.check_ddp_collectives, BroadcastsEveryStep, world_size=3, model="edge",
+          match="every step is not needed")

@@ -1,0 +1,389 @@
+r"""Checks for lesson 02 (data parallel Adam): the mean gradient, and replicas that stay equal.
+
+    check_average_gradients(fn, world_size, model)  every rank's .grad after fn(params) is the gradient
+                                                    of the whole batch (the mean, not the sum); a
+                                                    parameter no rank used keeps .grad None; fn
+                                                    all-reduces about Ψ elements and nothing else
+    check_ddp_numerics(cls, world_size, model)      replicas start from rank 0's weights, stay bitwise
+                                                    equal, and match torch.optim.AdamW on the whole
+                                                    batch after every step (weights, and m, v)
+    check_ddp_collectives(cls, world_size, model)   per step: all-reduces of Ψ elements in all (one
+                                                    flat buffer or one per parameter), no broadcast
+                                                    or all-gather of the parameters
+
+One bug costs one check. The class checks run the student's class with zerokit's own
+`average_gradients` in place of the student's function of exercise (a) (the name is
+swapped in the globals the class's methods see), so a wrong mean costs exercise (a)'s
+points only; a class that averages inline, without the function, is judged as written.
+
+The reference (torch.optim.AdamW, foreach=False, one process, the whole batch) runs in a
+separate one-rank launch, since the checked ranks run with torch's Adam disabled.
+"""
+
+import inspect
+
+import torch
+import torch.distributed as dist
+
+from ..comm import CommCounter
+from ..ddp import average_gradients as _reference_average_gradients
+from ..models import EdgeCaseNet, OddMLP, TinyTransformer, loss_for, make_batch
+from .compare import assert_close, max_abs_diff
+from .harness import CheckFailed, passed, run_on_ranks
+
+__all__ = ["MODELS", "build_model", "check_average_gradients", "check_ddp_numerics", "check_ddp_collectives"]
+
+GLOBAL_BATCH = 12  # divisible by 2, 3 and 4: every rank gets its own, equal slice
+HYPER = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8)
+SMALL = 64  # elements of bookkeeping (counts, flags) a step may communicate besides the gradient
+
+# name -> (factory, batch kind)
+MODELS = {
+    "mlp": (lambda: OddMLP((27, 36, 7)), "mlp"),  # Ψ = 1267
+    "edge": (EdgeCaseNet, "edge"),  # tied, frozen and unused parameters
+    "transformer": (lambda: TinyTransformer(vocab=101, dim=22, n_layers=2, n_heads=2, seq_len=9), "transformer"),
+}
+_BATCH_KW = {"transformer": {"vocab": 101, "seq_len": 9}}
+
+
+def build_model(name, seed=0):
+    if name not in MODELS:
+        raise ValueError(f"model must be one of {sorted(MODELS)}, not {name!r}")
+    torch.manual_seed(seed)
+    return MODELS[name][0]()
+
+
+def _batch(name, step, rank=None, world_size=None):
+    kind = MODELS[name][1]
+    x, y = make_batch(kind, GLOBAL_BATCH, seed=202 + step, **_BATCH_KW.get(kind, {}))
+    if rank is None:
+        return x, y
+    micro = GLOBAL_BATCH // world_size
+    return x[rank * micro:(rank + 1) * micro], y[rank * micro:(rank + 1) * micro]
+
+
+def _backward(name, model, step, rank=None, world_size=None):
+    x, y = _batch(name, step, rank, world_size)
+    loss_for(MODELS[name][1], model(x), y).backward()
+
+
+def _trainable(model):
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def _used_numel(model):
+    """Ψ as the gradient sees it: trainable parameters that get a gradient from the batch."""
+    return sum(p.numel() for p in _trainable(model) if p.grad is not None)
+
+
+class _NoZeroKitDDP:
+    """Inside a check: zerokit's own data parallel code may not do the student's work."""
+
+    def __enter__(self):
+        from .. import ddp
+
+        def refuse(*_a, **_k):
+            raise AssertionError("your code used zerokit's DistributedAdam / average_gradients / "
+                                 "broadcast_parameters: the exercise is to write them yourself")
+
+        self.saved = [(ddp.DistributedAdam, "__init__", ddp.DistributedAdam.__init__),
+                      (ddp, "average_gradients", ddp.average_gradients),
+                      (ddp, "broadcast_parameters", ddp.broadcast_parameters)]
+        for owner, name, _ in self.saved:
+            setattr(owner, name, refuse)
+        return self
+
+    def __exit__(self, *exc):
+        for owner, name, value in self.saved:
+            setattr(owner, name, value)
+        return False
+
+
+def _refuse_zerokit_function(fn):
+    from .. import ddp
+
+    if fn is ddp.average_gradients:
+        raise CheckFailed("average_gradients is zerokit.ddp.average_gradients itself: the exercise is to write "
+                          "it yourself")
+
+
+# ---------------------------------------------------------------------------------------
+# exercise (a): average_gradients
+
+
+def _describe_wrong_mean(mine, expected, local, world_size):
+    """Why a rank's averaged gradient is wrong, in one sentence, or ''."""
+    ratio = float((mine.double() * expected.double()).sum() / (expected.double() ** 2).sum().clamp_min(1e-300))
+    if expected.abs().max() > 0 and abs(ratio - world_size) < 1e-3 * world_size:
+        return (f" It is {world_size} x the mean: the ranks' gradients were summed (all-reduce's default, "
+                f"ReduceOp.SUM) but not divided by N = {world_size}. The loss is a mean over the whole batch, so "
+                "its gradient is the mean of the ranks' gradients: divide by N, or use ReduceOp.AVG.")
+    if local is not None and max_abs_diff(mine, local) <= 1e-7 * (1 + float(local.abs().max())):
+        return (" It is still this rank's own micro-batch gradient: the mean never reached .grad (no "
+                "all-reduce, or one whose result was not copied back: dist.all_reduce works in place, on the "
+                "tensor you pass it).")
+    return ""
+
+
+def _average_case(rank, world_size, fn, name):
+    with _NoZeroKitDDP():
+        model = build_model(name)
+        params = list(model.parameters())
+        _backward(name, model, 0)  # the whole batch on one process: the gradient to expect
+        expected = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+        _backward(name, model, 0, rank, world_size)  # this rank's micro-batch
+        local = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+        psi = _used_numel(model)
+        with CommCounter() as comm:
+            fn(params)
+        for n, p in model.named_parameters():
+            if expected[n] is None:
+                if p.grad is not None:
+                    raise AssertionError(
+                        f"parameter {n} has no gradient on any rank (it is frozen or unused), but after your "
+                        f"function its .grad is a tensor of {p.grad.numel()} elements. Leave it None, as one "
+                        "process training on the whole batch would: Adam skips a parameter whose .grad is None, "
+                        "while a zero gradient still moves it (weight decay, and m and v from earlier steps).")
+                continue
+            if p.grad is None:
+                raise AssertionError(f"after your function parameter {n} has .grad None; expected the mean "
+                                     "gradient (write it into p.grad)")
+            try:
+                assert_close(p.grad, expected[n], f"the averaged gradient of {n}", atol=1e-6, rtol=1e-4)
+            except AssertionError as exc:
+                raise AssertionError(f"{exc}.{_describe_wrong_mean(p.grad, expected[n], local[n], world_size)}") \
+                    from None
+    ops = {}
+    for c in comm.calls:
+        ops.setdefault(c.op, []).append(c.numel)
+    reduced = sum(ops.get("all_reduce", []))
+    n_params = len(_trainable(model))
+    said = ", ".join(f"{op} x{len(v)} ({sum(v)} elements)" for op, v in ops.items()) or "no collective"
+    if not psi <= reduced <= psi + n_params + SMALL:
+        raise AssertionError(
+            f"your function called {said}; expected all-reduces of Ψ = {psi} elements in all (the gradients "
+            "that exist: one flat buffer, or one call per parameter), each element sent once")
+    other = {op: sum(v) for op, v in ops.items() if op != "all_reduce"}
+    if sum(other.values()) > SMALL:
+        raise AssertionError(f"your function called {said}: the mean gradient needs only an all-reduce")
+    return psi, ops
+
+
+def check_average_gradients(fn, world_size=2, model="mlp", timeout=60.0):
+    """fn(params) on world_size ranks, each holding the gradient of its own micro-batch, leaves on every
+    rank the gradient of the whole batch (the mean of the ranks'), and all-reduces about Ψ elements."""
+    __tracebackhide__ = True
+    if not callable(fn):
+        raise CheckFailed(f"expected your function average_gradients, got {type(fn).__name__}")
+    _refuse_zerokit_function(fn)
+    psi, ops = run_on_ranks(_average_case, world_size, args=(fn, model), timeout=timeout,
+                            what="average_gradients")[0]
+    calls = ", ".join(f"{op} x{len(v)}" for op, v in ops.items())
+    passed(f"average_gradients gives every rank the whole batch's gradient on {world_size} ranks ({model}, "
+           f"Ψ = {psi}) with {calls} of {sum(ops['all_reduce'])} elements")
+
+
+# ---------------------------------------------------------------------------------------
+# the optimizer class: shared pieces
+
+
+def _check_class(cls):
+    from ..ddp import DistributedAdam
+
+    if not isinstance(cls, type):
+        raise CheckFailed(f"expected your optimizer class, got {type(cls).__name__}")
+    if issubclass(cls, DistributedAdam):
+        raise CheckFailed(f"{cls.__name__} subclasses zerokit.DistributedAdam: the exercise is to write data "
+                          "parallel Adam yourself (subclass zerokit.adam.Adam, as the scaffold does)")
+    if not issubclass(cls, torch.optim.Optimizer):
+        raise CheckFailed(f"{cls.__name__} is not a torch.optim.Optimizer: keep the scaffold's base class")
+
+
+def _use_reference_average(cls):
+    """Give the class zerokit's average_gradients wherever its methods would call the student's."""
+    for klass in cls.__mro__:
+        for value in vars(klass).values():
+            fn = inspect.unwrap(value) if callable(value) else None
+            glob = getattr(fn, "__globals__", None)
+            if (glob is not None and callable(glob.get("average_gradients"))
+                    and not str(glob.get("__name__", "")).startswith(("zerokit.", "torch."))):
+                glob["average_gradients"] = _reference_average_gradients
+
+
+def _make(cls, model, weight_decay):
+    opt = cls(model.parameters(), weight_decay=weight_decay, **HYPER)
+    if not isinstance(opt, torch.optim.Optimizer):
+        raise AssertionError(f"{type(opt).__name__} is not a torch.optim.Optimizer")
+    return opt
+
+
+def _flat(tensors):
+    return torch.cat([t.detach().reshape(-1) for t in tensors]).clone()
+
+
+def _gather(flat):
+    """Every rank's copy of `flat`, by rank."""
+    out = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, flat)
+    return out
+
+
+def _first_replica_difference(flat):
+    """(rank, max |difference| to rank 0) of the first rank whose copy is not bitwise rank 0's, or None."""
+    copies = _gather(flat)
+    for r, other in enumerate(copies[1:], start=1):
+        if not torch.equal(other, copies[0]):
+            return r, max_abs_diff(other, copies[0])
+    return None
+
+
+# ---------------------------------------------------------------------------------------
+# numerics: replicas equal, and equal to torch.optim.AdamW on the whole batch
+
+
+def _reference_case(rank, world_size, name, steps, weight_decay):
+    """One process, torch.optim.AdamW on the whole batch: per step ({name: weight}, {name: (m, v)})."""
+    model = build_model(name)
+    opt = torch.optim.AdamW(_trainable(model), weight_decay=weight_decay, foreach=False, **HYPER)
+    out = []
+    for step in range(steps):
+        _backward(name, model, step)
+        opt.step()
+        opt.zero_grad()
+        state = {n: (opt.state[p]["exp_avg"].clone(), opt.state[p]["exp_avg_sq"].clone())
+                 for n, p in model.named_parameters() if p in opt.state}
+        out.append(({n: p.detach().clone() for n, p in model.named_parameters()}, state))
+    return out
+
+
+_REFERENCES = {}
+
+
+def _reference(name, steps, weight_decay, timeout):
+    key = (name, steps, weight_decay)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = run_on_ranks(_reference_case, 1, args=(name, steps, weight_decay), timeout=timeout,
+                                        forbid_adam=False, what="the reference (torch.optim.AdamW)")[0]
+    return _REFERENCES[key]
+
+
+def _numerics_case(rank, world_size, cls, name, steps, weight_decay, reference):
+    with _NoZeroKitDDP():
+        _use_reference_average(cls)
+        # every rank builds its own random model: only rank 0's is the reference's, so the
+        # replicas start equal only if the optimizer makes them so
+        model = build_model(name, seed=0 if rank == 0 else 1000 + rank)
+        names = [n for n, _ in model.named_parameters()]
+        opt = _make(cls, model, weight_decay)
+        differs = _first_replica_difference(_flat(model.parameters()))
+        if differs:
+            raise AssertionError(
+                f"right after {cls.__name__}(...) rank {differs[0]} holds other weights than rank 0 (max |difference| "
+                f"{differs[1]:.3g}): every rank builds its model with its own random initialisation, so the "
+                "optimizer must copy rank 0's parameters to every rank (dist.broadcast(p.data, src=0)) in __init__")
+        for step in range(steps):
+            _backward(name, model, step, rank, world_size)
+            opt.step()
+            after = f"after step {step + 1}"
+            differs = _first_replica_difference(_flat(model.parameters()))
+            if differs:
+                grads = [p.grad for p in model.parameters() if p.grad is not None]
+                averaged = bool(grads) and _first_replica_difference(_flat(grads)) is None
+                hint = ("the gradients are equal on every rank now, so they were averaged, but after the update: "
+                        "average first, then step" if averaged else
+                        "each rank applied the update of its own micro-batch's gradient: all-reduce the mean "
+                        "gradient in step(), before the Adam update")
+                raise AssertionError(f"{after} rank {differs[0]} holds other weights than rank 0 (max |difference| "
+                                     f"{differs[1]:.3g}): the replicas drifted apart; {hint}")
+            opt.zero_grad()
+            ref_params, ref_state = reference[step]
+            named = dict(model.named_parameters())
+            state = getattr(opt, "state", {})
+            for n in names:
+                p = named[n]
+                if n in ref_state and isinstance(state.get(p), dict) and "exp_avg" in state[p]:
+                    for key, ref, what in (("exp_avg", ref_state[n][0], "m"), ("exp_avg_sq", ref_state[n][1], "v")):
+                        scale = float(ref.abs().max())
+                        try:
+                            assert_close(state[p][key], ref, f"{what} (state['{key}']) of {n} {after}",
+                                         atol=1e-5 * scale + 1e-12, rtol=1e-4)
+                        except AssertionError as exc:
+                            raise AssertionError(
+                                f"{exc}\n  (Adam's state sees the gradient you stepped with: is it the mean over "
+                                "the ranks, not the sum?)") from None
+                assert_close(p.detach(), ref_params[n], f"parameter {n} {after}")
+    return sum(p.numel() for p in _trainable(model))
+
+
+def check_ddp_numerics(cls, world_size=2, model="mlp", steps=4, weight_decay=0.01, timeout=60.0):
+    """cls on world_size ranks, each on its own slice of the batch: replicas start from rank 0's
+    weights, stay bitwise equal, and match torch.optim.AdamW on the whole batch after every step."""
+    __tracebackhide__ = True
+    _check_class(cls)
+    reference = _reference(model, steps, weight_decay, timeout)
+    psi = run_on_ranks(_numerics_case, world_size, args=(cls, model, steps, weight_decay, reference),
+                       timeout=timeout, what=cls.__name__)[0]
+    passed(f"{cls.__name__} on {world_size} ranks ({model}, Ψ = {psi}, weight decay {weight_decay:g}): replicas "
+           f"equal on every rank and equal to torch.optim.AdamW on the whole batch after each of {steps} steps")
+
+
+# ---------------------------------------------------------------------------------------
+# collectives: what one step sends
+
+
+def _comm_case(rank, world_size, cls, name, steps, weight_decay):
+    with _NoZeroKitDDP():
+        _use_reference_average(cls)
+        model = build_model(name)
+        initial = _flat(model.parameters())
+        opt = _make(cls, model, weight_decay)
+        per_step = []
+        for step in range(steps):
+            _backward(name, model, step, rank, world_size)
+            psi = _used_numel(model)
+            with CommCounter() as comm:
+                opt.step()
+            opt.zero_grad()
+            per_step.append([(c.op, c.numel) for c in comm.calls])
+        now = _flat(model.parameters())
+        if not bool(torch.isfinite(now).all()):
+            raise AssertionError("after your steps some parameters are NaN or inf")
+        if torch.equal(now, initial):
+            raise AssertionError("your step() left every parameter unchanged")
+    n_params = len(_trainable(model))
+    for step, calls in enumerate(per_step):
+        ops = {}
+        for op, numel in calls:
+            ops.setdefault(op, []).append(numel)
+        when = (f"in step {step + 1}, step() called "
+                f"{', '.join(f'{op} x{len(v)} ({sum(v)} elements)' for op, v in ops.items()) or 'no collective'}")
+        for op in ("broadcast", "all_gather", "scatter"):
+            if sum(ops.get(op, [])) > SMALL:
+                raise AssertionError(
+                    f"{when}: a {op.replace('_', '-')} of the parameters every step is not needed. Replicas that "
+                    "start equal and apply the same update to the same mean gradient stay equal by themselves: "
+                    "broadcast once, in __init__")
+        reduced = sum(ops.get("all_reduce", []))
+        if reduced == 0:
+            raise AssertionError(f"{when}: no all-reduce of the gradient (data parallel's one collective per step)")
+        if not psi <= reduced <= psi + n_params + SMALL:
+            raise AssertionError(f"{when}: all-reduces of {reduced} elements in all; expected the gradient, "
+                                 f"Ψ = {psi} elements, once (one flat buffer or one call per parameter)")
+        other = {op: sum(v) for op, v in ops.items() if op != "all_reduce"}
+        if sum(other.values()) > SMALL:
+            raise AssertionError(f"{when}: data parallel needs one all-reduce of the gradient and nothing else")
+    return psi, per_step[-1]
+
+
+def check_ddp_collectives(cls, world_size=2, model="mlp", steps=2, weight_decay=0.01, timeout=60.0):
+    """Each step: all-reduces of the gradient, Ψ elements in all (volume 2Ψ), and no broadcast or
+    all-gather of the parameters."""
+    __tracebackhide__ = True
+    _check_class(cls)
+    psi, calls = run_on_ranks(_comm_case, world_size, args=(cls, model, steps, weight_decay),
+                              timeout=timeout, what=cls.__name__)[0]
+    reduced = sum(numel for op, numel in calls if op == "all_reduce")
+    count = sum(1 for op, _ in calls if op == "all_reduce")
+    passed(f"per step on {world_size} ranks: {count} all-reduce call(s) of {reduced} elements in all "
+           f"(Ψ = {psi}; volume 2Ψ = {2 * reduced}), no broadcast of the parameters")
