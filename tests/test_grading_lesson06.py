@@ -1,0 +1,226 @@
+"""Lesson 06's checks, validated on the solution and on deliberately broken scalers and optimizers.
+
+The solution is the code in solutions/06_mixed_precision (its solution cells, executed here).
+Each broken version is one classic bug; it must fail exactly the checks listed beside it,
+with a message naming the problem, and pass the others: one bug costs its own points only.
+
+| defect | fails | message |
+|---|---|---|
+| unscale multiplies by the scale | unscale | "times the scale" |
+| unscale divides in fp16, then converts | unscale | "divided in float16" |
+| update() says step on an overflow | overflow | "returned True (step) on every rank" |
+| overflow checked locally (no all-reduce) | overflow | "agreed across ranks" |
+| no backoff on an overflow | schedule | "backoff_factor" |
+| the scale never grows | schedule | "grow by growth_factor" |
+| masters kept in 16 bits | master update | "must be fp32" |
+| update applied to the 16-bit parameters | master update | "did not change" |
+| optimizer steps on an overflow step | overflow step | "nothing may change" |
+| the untouched student notebook | every check | "NotImplementedError" |
+"""
+
+import json
+import sys
+import types
+from pathlib import Path
+
+import cloudpickle
+import pytest
+import torch
+import torch.distributed as dist
+
+from zerokit.adam import adamw_update_
+from zerokit.grading import lesson06
+from zerokit.grading.harness import CheckFailed
+
+pytestmark = pytest.mark.distributed
+
+ROOT = Path(__file__).resolve().parents[1]
+LESSON = "06_mixed_precision"
+PRELUDE = """
+import torch
+import torch.distributed as dist
+from zerokit.adam import adamw_update_
+"""
+
+# the broken classes below are sent to the ranks by value, like a notebook's
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def notebook_code(folder, grade_ids):
+    nb = json.loads((ROOT / folder / LESSON / f"{LESSON}.ipynb").read_text())
+    cells = {c["metadata"].get("nbgrader", {}).get("grade_id"): "".join(c["source"]) for c in nb["cells"]}
+    module = types.ModuleType(f"lesson06_{folder}")  # not in sys.modules: pickled by value
+    exec(PRELUDE + "\n\n".join(cells[g] for g in grade_ids), module.__dict__)
+    return module
+
+
+SOLUTION = notebook_code("solutions", ["loss_scaler", "master_adam"])
+STUDENT = notebook_code("lessons", ["loss_scaler", "master_adam"])
+Scaler, Optimizer = SOLUTION.MyLossScaler, SOLUTION.MyMixedPrecisionAdam
+
+# nbgrader's `raise NotImplementedError()` has an empty message; the launcher may then fail
+# with IndexError while noting the other ranks' errors. Either way it scores 0.
+UNFINISHED = ("NotImplementedError", "IndexError")
+
+SCALER_CHECKS = {
+    "unscale": lambda cls: lesson06.check_unscale(cls, world_size=2),
+    "overflow": lambda cls: lesson06.check_overflow_agreed(cls, world_size=2),
+    "schedule": lambda cls: lesson06.check_scale_schedule(cls, world_size=2),
+}
+OPTIMIZER_CHECKS = {
+    "master_update": lambda cls: lesson06.check_master_update(cls, world_size=2, model="mlp", dtype="bf16"),
+    "overflow_step": lambda cls: lesson06.check_overflow_step(cls, world_size=2, model="mlp"),
+}
+
+
+def fails(check, *args, match, **kwargs):
+    with pytest.raises(CheckFailed) as info:
+        check(*args, **kwargs)
+    assert any(m in str(info.value) for m in ((match,) if isinstance(match, str) else match)), str(info.value)
+    return str(info.value)
+
+
+@pytest.mark.timeout(60)
+def test_solution_passes_the_visible_and_hidden_checks(capsys):
+    for check in SCALER_CHECKS.values():
+        check(Scaler)
+    for check in OPTIMIZER_CHECKS.values():
+        check(Optimizer)
+    lesson06.check_unscale(Scaler, world_size=3)
+    lesson06.check_overflow_agreed(Scaler, world_size=3, bad_rank=0)
+    lesson06.check_master_update(Optimizer, world_size=3, model="transformer", dtype="fp16", steps=3)
+    lesson06.check_overflow_step(Optimizer, world_size=3, model="transformer", inject_at=2)
+    assert capsys.readouterr().out.count("✓") == 9
+
+
+@pytest.mark.timeout(60)
+def test_untouched_student_notebook_fails_every_check():
+    for check in SCALER_CHECKS.values():
+        fails(check, STUDENT.MyLossScaler, match=UNFINISHED)
+    for check in OPTIMIZER_CHECKS.values():
+        fails(check, STUDENT.MyMixedPrecisionAdam, match=UNFINISHED)
+
+
+# ---------------------------------------------------------------------------------------
+# exercise (a): broken scalers
+
+
+class MultipliesByScale(Scaler):
+    @torch.no_grad()
+    def unscale(self, grads):
+        out = super().unscale(grads)
+        return [g.mul_(self.scale**2) for g in out]  # BUG: g·S·S where g·S/S belongs
+
+
+class DividesInHalf(Scaler):
+    @torch.no_grad()
+    def unscale(self, grads):
+        out = super().unscale(grads)
+        return [(g / self.scale).float() for g in grads]  # BUG: rounded in the 16-bit type
+
+
+class StepsOnOverflow(Scaler):
+    def update(self):
+        super().update()
+        return True  # BUG: backs off, but lets the optimizer step
+
+
+class LocalOverflow(Scaler):
+    @torch.no_grad()
+    def unscale(self, grads):
+        out = [g.float() / self.scale for g in grads]
+        self.found_inf = any(not bool(torch.isfinite(g).all()) for g in out)  # BUG: this rank's verdict only
+        return out
+
+
+class NoBackoff(Scaler):
+    def update(self):
+        if self.found_inf:
+            self.clean_steps = 0
+            return False  # BUG: skips, but keeps the scale that overflowed
+        return super().update()
+
+
+class NeverGrows(Scaler):
+    def update(self):
+        if self.found_inf:
+            self.scale *= self.backoff_factor
+            return False
+        return True  # BUG: no growth
+
+
+# ---------------------------------------------------------------------------------------
+# exercise (b): broken optimizers
+
+
+class HalfMasters(Optimizer):
+    def __init__(self, params, dtype=torch.bfloat16, **kw):
+        super().__init__(params, dtype=dtype, **kw)
+        self.masters = [p.detach().clone() for p in self.params]  # BUG: 16-bit copies
+        self.exp_avgs = [torch.zeros_like(m) for m in self.masters]
+        self.exp_avg_sqs = [torch.zeros_like(m) for m in self.masters]
+
+
+def _step(self, on_half=False, ignore_skip=False):
+    group = self.param_groups[0]
+    with_grad = [i for i, p in enumerate(self.params) if p.grad is not None]
+    for i in with_grad:
+        dist.all_reduce(self.params[i].grad, op=dist.ReduceOp.AVG)
+    grads = self.scaler.unscale([self.params[i].grad for i in with_grad])
+    if not self.scaler.update() and not ignore_skip:
+        return None
+    self.steps += 1
+    for i, grad in zip(with_grad, grads):
+        target = self.params[i].data if on_half else self.masters[i]
+        adamw_update_(target, grad, self.exp_avgs[i], self.exp_avg_sqs[i], self.steps, lr=group["lr"],
+                      beta1=group["betas"][0], beta2=group["betas"][1], eps=group["eps"],
+                      weight_decay=group["weight_decay"])
+        if not on_half:
+            self.params[i].copy_(self.masters[i])
+    return None
+
+
+class UpdatesHalfParams(Optimizer):
+    step = torch.no_grad()(lambda self, closure=None: _step(self, on_half=True))  # BUG: no master in the loop
+
+
+class StepsAnyway(Optimizer):
+    step = torch.no_grad()(lambda self, closure=None: _step(self, ignore_skip=True))  # BUG: ignores the verdict
+
+
+DEFECTS = {  # class -> {check that must fail: message fragment}; the exercise's other checks must pass
+    MultipliesByScale: {"unscale": "times the scale"},
+    DividesInHalf: {"unscale": "divided in float16"},
+    StepsOnOverflow: {"overflow": "returned True (step) on every rank"},
+    LocalOverflow: {"overflow": "agreed across ranks"},
+    NoBackoff: {"schedule": "backoff_factor"},
+    NeverGrows: {"schedule": "grow by growth_factor"},
+    HalfMasters: {"master_update": "must be fp32"},
+    UpdatesHalfParams: {"master_update": "did not change"},
+    StepsAnyway: {"overflow_step": "nothing may change"},
+}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("cls", list(DEFECTS), ids=lambda c: c.__name__)
+def test_each_defect_fails_exactly_its_checks(cls, capsys):
+    expected = DEFECTS[cls]
+    checks = SCALER_CHECKS if issubclass(cls, Scaler) else OPTIMIZER_CHECKS
+    for name, check in checks.items():
+        if name in expected:
+            fails(check, cls, match=expected[name])
+        else:
+            check(cls)
+    out = capsys.readouterr().out
+    assert out.count("✓") == len(checks) - len(expected), out
+
+
+@pytest.mark.timeout(60)
+def test_hidden_configurations_catch_the_same_bugs():
+    """N = 3 and 4, another bad rank, the transformer in fp16."""
+    fails(lesson06.check_overflow_agreed, LocalOverflow, world_size=3, bad_rank=0, match="agreed across ranks")
+    fails(lesson06.check_unscale, MultipliesByScale, world_size=3, match="times the scale")
+    fails(lesson06.check_master_update, HalfMasters, world_size=3, model="transformer", dtype="fp16", steps=3,
+          match="must be fp32")
+    fails(lesson06.check_overflow_step, StepsAnyway, world_size=3, model="transformer", inject_at=2,
+          match="nothing may change")

@@ -1,0 +1,476 @@
+r"""Checks for lesson 06 (mixed precision): the dynamic loss scaler and the master-weight update.
+
+The student writes two things: `MyLossScaler` (unscale the gradients and detect an overflow,
+agreed on every rank; back off, skip and grow) and `MyMixedPrecisionAdam` (data parallel
+AdamW with 16-bit weights and gradients, fp32 master weights, m and v). One question per check:
+
+    check_unscale(cls)            unscale() returns fp32 g / S: divided (not multiplied), in fp32
+    check_overflow_agreed(cls)    an inf or nan in ONE rank's gradients (each rank holds different
+                                  ones, as with ZeRO's shards) makes update() say "skip" on EVERY
+                                  rank, and leaves every rank with the same scale
+    check_scale_schedule(cls)     backoff by backoff_factor on an overflow, growth by growth_factor
+                                  after growth_interval clean steps in a row, the count restarting
+    check_master_update(opt_cls)  the fp32 masters, m and v after every step against
+                                  torch.optim.AdamW in fp32 fed the same (unscaled, mean) gradient;
+                                  the model's weights 16-bit and equal to the masters rounded
+    check_overflow_step(opt_cls)  an inf in one rank's gradient at one step: nothing changes on any
+                                  rank in that step, the scale halves, the other steps do update
+
+The optimizer checks hand the optimizer zerokit's own scaler (`ReferenceScaler`, the same
+interface as the exercise), so a wrong scaler costs the scaler's points only.
+
+The reference. torch.optim.AdamW (foreach=False) runs inside each rank on fp32 copies of the
+initial weights, fed exactly the gradient the student's step sees: the check reproduces the
+scaffold's all-reduce on copies of the 16-bit gradients and divides by the loss scale. Its
+functions are captured when this module is imported, before the harness replaces torch's
+Adam by tripwires for the student's code, and put back only while the reference steps.
+"""
+
+import contextlib
+import importlib
+
+import torch
+import torch.distributed as dist
+from torch.optim import AdamW as _TorchAdamW
+
+from ..mixed_precision import LossScaler, _dtype
+from ..models import loss_for
+from ..reference import build_model, global_batch
+from .compare import assert_close
+from .harness import _FORBIDDEN, CheckFailed, passed, run_on_ranks
+
+__all__ = ["ReferenceScaler", "check_unscale", "check_overflow_agreed", "check_scale_schedule",
+           "check_master_update", "check_overflow_step"]
+
+GLOBAL_BATCH = 12  # divisible by 2, 3 and 4
+# lr 1e-3: an update is a fraction of a unit in the last place of a bf16 weight (2**-9 in
+# [0.25, 0.5)), so applied to 16-bit weights it is lost or rounded to a whole unit
+HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+KINDS = {"mlp": "mlp", "transformer": "transformer", "edge": "edge"}
+
+
+# torch's Adam functions as imported (before any guard): AdamW.step looks them up at call time
+_ORIGINAL_ADAM = [(importlib.import_module(m), n, getattr(importlib.import_module(m), n, None)) for m, n in _FORBIDDEN]
+
+
+@contextlib.contextmanager
+def _reference_adam():
+    """Lift the harness's tripwires on torch's Adam while the check's own reference steps (no student
+    code runs inside), and put back whatever was there."""
+    current = [(mod, name, getattr(mod, name, None)) for mod, name, _ in _ORIGINAL_ADAM]
+    for mod, name, fn in _ORIGINAL_ADAM:
+        if fn is not None:
+            setattr(mod, name, fn)
+    try:
+        yield
+    finally:
+        for mod, name, fn in current:
+            if fn is not None:
+                setattr(mod, name, fn)
+
+
+# ---------------------------------------------------------------------------------------
+# zerokit's scaler behind the exercise's interface
+
+
+class ReferenceScaler:
+    """The exercise's interface around zerokit.mixed_precision.LossScaler."""
+
+    def __init__(self, init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000):
+        self._scaler = LossScaler(init_scale, growth_factor, backoff_factor, growth_interval)
+        self.found_inf = False
+        self.updates = 0
+
+    @property
+    def scale(self):
+        return self._scaler.scale
+
+    def scale_loss(self, loss):
+        return loss * self.scale
+
+    @torch.no_grad()
+    def unscale(self, grads):
+        out = [g.float() / self.scale for g in grads]
+        flag = torch.tensor([float(any(not bool(torch.isfinite(g).all()) for g in out))],
+                            device=out[0].device if out else "cpu")
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        self.found_inf = bool(flag.item())
+        return out
+
+    def update(self):
+        self.updates += 1
+        self._scaler.update(self.found_inf)
+        return not self.found_inf
+
+
+# ---------------------------------------------------------------------------------------
+# exercise (a): the scaler
+
+
+def _check_scaler_class(cls):
+    if not isinstance(cls, type):
+        raise CheckFailed(f"expected your scaler class, got {type(cls).__name__}")
+    for name in ("scale_loss", "unscale", "update"):
+        if not callable(getattr(cls, name, None)):
+            raise CheckFailed(f"{cls.__name__} has no method {name}(): keep the scaffold's methods")
+
+
+def _gather(obj):
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _unscale_case(rank, world_size, cls):
+    g = torch.Generator().manual_seed(60 + rank)
+    for scale, dtype in ((2.0**10, torch.float16), (2.0**16, torch.float16), (2.0**8, torch.bfloat16),
+                         (4.0, torch.float32)):
+        scaler = cls(init_scale=scale)
+        # scaled gradients as backward leaves them: g * S in the 16-bit type; the last one, 1 + 1023/1024
+        # (11 significant bits), divided by 2**16 is an fp16 subnormal with 8 bits: fp16 division rounds it
+        grads = [(torch.randn(37, generator=g) * scale / 8).to(dtype),
+                 (torch.randn(3, 5, generator=g) * scale / 64).to(dtype),
+                 torch.full((2,), 1 + 1023 / 1024, dtype=dtype)]
+        before = [t.clone() for t in grads]
+        out = scaler.unscale(grads)
+        call = f"unscale() with scale S = {scale:g} on {str(dtype).replace('torch.', '')} gradients"
+        if not isinstance(out, (list, tuple)) or len(out) != len(grads):
+            raise AssertionError(f"{call} returned {type(out).__name__}"
+                                 f"{f' of length {len(out)}' if hasattr(out, '__len__') else ''}; "
+                                 f"expected a list of {len(grads)} tensors, one per gradient")
+        for i, (o, src) in enumerate(zip(out, before)):
+            if not isinstance(o, torch.Tensor):
+                raise AssertionError(f"{call}: element {i} is a {type(o).__name__}, not a tensor")
+            if o.dtype != torch.float32:
+                raise AssertionError(f"{call}: gradient {i} came back as {o.dtype}; unscale must return fp32 "
+                                     "gradients (the optimizer's arithmetic is fp32; g / S may be too small "
+                                     "for the 16-bit type)")
+            expected = src.float() / scale
+            if o.shape == expected.shape and bool(expected.abs().max() > 0):
+                if torch.allclose(o, src.float() * scale, rtol=1e-3) or torch.allclose(o, src.float(), rtol=1e-3):
+                    ratio = "times the scale" if scale != 1 and torch.allclose(o, src.float() * scale, rtol=1e-3) \
+                        else "unchanged"
+                    raise AssertionError(
+                        f"{call}: gradient {i} came back {ratio} (g·S = {float(src.float().reshape(-1)[0]):.4g} "
+                        f"-> {float(o.reshape(-1)[0]):.4g}); divide by the scale: backward computed the gradient "
+                        f"of loss·S, so the true gradient is grad / S = {float(expected.reshape(-1)[0]):.4g}. "
+                        "Multiplying makes it S² too large")
+                rounded = (src / scale).float()
+                if not torch.equal(rounded, expected) and torch.equal(o, rounded):
+                    raise AssertionError(
+                        f"{call}: gradient {i} was divided in {str(dtype).replace('torch.', '')} and rounded "
+                        f"(1.9990234375 / {scale:g} came back {float(o.reshape(-1)[-1]):.8g}, exactly "
+                        f"{float(expected.reshape(-1)[-1]):.8g} in fp32): convert to fp32 first, then divide")
+            assert_close(o, expected, f"{call}: gradient {i}")
+        verdict = scaler.update()
+        if verdict is None or not verdict:
+            raise AssertionError(f"{call}: every gradient is finite, yet update() returned {verdict!r}; "
+                                 "it must return True (step)")
+    _gather(True)  # a collective of the check's own: no rank returns while another is still starting up
+    return True
+
+
+def check_unscale(cls, world_size=2, timeout=60.0):
+    """unscale(grads) returns fp32 copies divided by the scale, for fp16, bf16 and fp32 gradients."""
+    __tracebackhide__ = True
+    _check_scaler_class(cls)
+    run_on_ranks(_unscale_case, world_size, args=(cls,), timeout=timeout, what=f"{cls.__name__}.unscale")
+    passed(f"{cls.__name__}.unscale returns fp32 gradients divided by S (S = 2**2 ... 2**16; fp16, bf16, fp32) "
+           f"on {world_size} ranks")
+
+
+def _overflow_case(rank, world_size, cls, bad_rank):
+    g = torch.Generator().manual_seed(600 + rank)
+    scaler = cls(init_scale=2.0**12, growth_interval=1000)
+    verdicts = []
+    # each rank its own gradients, as with ZeRO (every rank sees only its shard of the reduced gradient)
+    scenarios = [("no inf or nan anywhere", None), (f"an inf in rank {bad_rank}'s gradient only", float("inf")),
+                 (f"a nan in rank {bad_rank}'s gradient only", float("nan")), ("no inf or nan anywhere", None)]
+    for what, poison in scenarios:
+        grads = [(torch.randn(29, generator=g) * 100).to(torch.float16), torch.randn(7, generator=g).to(torch.float16)]
+        if poison is not None and rank == bad_rank:
+            grads[1][3] = poison
+        scaler.unscale(grads)
+        step = scaler.update()
+        verdicts.append((what, poison is not None, repr(step) if step is None else bool(step), float(scaler.scale)))
+    everyone = _gather(verdicts)
+    for k, (what, overflow, _, _) in enumerate(verdicts):
+        steps = [v[k][2] for v in everyone]
+        scales = [v[k][3] for v in everyone]
+        if any(not isinstance(s, bool) for s in steps):
+            raise AssertionError(f"update() returned None (on ranks 0, 1, ...: {steps}); it must return True "
+                                 "(step) or False (skip)")
+        if overflow:
+            stepping = [r for r, s in enumerate(steps) if s]
+            if stepping and len(stepping) < world_size:
+                raise AssertionError(
+                    f"with {what} (call {k + 1}), update() said skip on rank(s) "
+                    f"{[r for r, s in enumerate(steps) if not s]} but step on rank(s) {stepping}: the overflow "
+                    "check must be agreed across ranks. Each rank sees only its own gradients (with ZeRO, its "
+                    "shard): one rank would skip while the others step, the replicas drift apart (or hang in "
+                    "the next collective). All-reduce a found-inf flag with ReduceOp.MAX in unscale()")
+            if stepping:
+                raise AssertionError(
+                    f"with {what} (call {k + 1}), update() returned True (step) on every rank: an overflow step "
+                    "must be skipped (update() returns False), or the inf/nan reaches the weights")
+        elif not all(steps):
+            raise AssertionError(f"with {what} (call {k + 1}), update() returned {steps} on ranks 0..{world_size - 1}; "
+                                 "it must return True (step) when no rank saw an inf or nan")
+        if len(set(scales)) != 1:
+            raise AssertionError(f"after {what} (call {k + 1}) the loss scale differs between ranks: {scales}; "
+                                 "every rank must take the same (agreed) decision")
+    return True
+
+
+def check_overflow_agreed(cls, world_size=2, bad_rank=None, timeout=60.0):
+    """An inf or nan in one rank's gradients only: update() returns False (skip) on every rank."""
+    __tracebackhide__ = True
+    _check_scaler_class(cls)
+    bad_rank = world_size - 1 if bad_rank is None else bad_rank
+    run_on_ranks(_overflow_case, world_size, args=(cls, bad_rank), timeout=timeout,
+                 what=f"{cls.__name__}'s overflow check")
+    passed(f"an inf, then a nan, in rank {bad_rank}'s gradient only: {cls.__name__}.update() skipped on all "
+           f"{world_size} ranks, and stepped on all of them when no rank overflowed")
+
+
+def _schedule_case(rank, world_size, cls, schedules):
+    out = []
+    for config, pattern in schedules:
+        scaler = cls(**config)
+        if not isinstance(getattr(scaler, "scale", None), (int, float)) or scaler.scale != config["init_scale"]:
+            raise AssertionError(f"{type(scaler).__name__}(init_scale={config['init_scale']:g}).scale is "
+                                 f"{getattr(scaler, 'scale', None)!r}; expected {config['init_scale']:g}")
+        got = []
+        for overflow in pattern:
+            grad = torch.ones(5, dtype=torch.float16)
+            if overflow:
+                grad[2] = float("inf")
+            scaler.unscale([grad])
+            scaler.update()
+            got.append(float(scaler.scale))
+        out.append(got)
+    _gather(True)  # a collective of the check's own: no rank returns while another is still starting up
+    return out
+
+
+def _expected_schedule(config, pattern):
+    scale, clean, out = config["init_scale"], 0, []
+    for overflow in pattern:
+        if overflow:
+            scale, clean = scale * config["backoff_factor"], 0
+        else:
+            clean += 1
+            if clean == config["growth_interval"]:
+                scale, clean = scale * config["growth_factor"], 0
+        out.append(scale)
+    return out
+
+
+SCHEDULES = [
+    (dict(init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=3),
+     [0, 0, 0, 0, 1, 0, 0, 1, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0]),
+    (dict(init_scale=2.0**10, growth_factor=4.0, backoff_factor=0.25, growth_interval=2),
+     [1, 0, 0, 0, 0, 1, 0, 1, 0, 0]),
+]
+
+
+def check_scale_schedule(cls, world_size=2, schedules=None, timeout=60.0):
+    """The scale over a sequence of clean and overflow steps: x backoff_factor at each overflow, x growth_factor
+    after growth_interval clean steps in a row, the count of clean steps restarting after either."""
+    __tracebackhide__ = True
+    _check_scaler_class(cls)
+    schedules = schedules or SCHEDULES
+    results = run_on_ranks(_schedule_case, world_size, args=(cls, schedules), timeout=timeout,
+                           what=f"{cls.__name__}'s loss scale")[0]
+    for (config, pattern), got in zip(schedules, results):
+        want = _expected_schedule(config, pattern)
+        if got == want:
+            continue
+        k = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
+        before = want[k - 1] if k else config["init_scale"]
+        steps = "".join("X" if o else "." for o in pattern[:k + 1])
+        setup = ", ".join(f"{name}={value:g}" for name, value in config.items())
+        if pattern[k]:
+            why = (f"an overflow must multiply the scale by backoff_factor ({config['backoff_factor']:g}): "
+                   f"{before:g} -> {want[k]:g}")
+        elif want[k] != before:
+            why = (f"after growth_interval = {config['growth_interval']} clean steps in a row the scale must "
+                   f"grow by growth_factor ({config['growth_factor']:g}): {before:g} -> {want[k]:g}")
+        else:
+            why = (f"no change was due: the scale grows only after {config['growth_interval']} clean steps in a "
+                   "row, counted again from 0 after an overflow and after each growth")
+        raise CheckFailed(f"{cls.__name__}({setup}): after steps {steps} (X = overflow, . = clean) the scale is "
+                          f"{got[k]:g}, expected {want[k]:g}: {why}.\n  whole sequence: expected {want}, got {got}")
+    passed(f"{cls.__name__}: backoff on every overflow, growth after growth_interval clean steps, "
+           f"{sum(len(p) for _, p in schedules)} steps of {len(schedules)} schedules on {world_size} ranks")
+
+
+# ---------------------------------------------------------------------------------------
+# exercise (b): the master-weight update
+
+
+def _check_optimizer_class(cls):
+    from ..ddp import DistributedAdam
+    from ..zero1 import ZeRO1Adam
+
+    if not isinstance(cls, type):
+        raise CheckFailed(f"expected your optimizer class, got {type(cls).__name__}")
+    for forbidden in (DistributedAdam, ZeRO1Adam):
+        if issubclass(cls, forbidden):
+            raise CheckFailed(f"{cls.__name__} subclasses zerokit.{forbidden.__name__}: the exercise is to write "
+                              "the master-weight update yourself (keep the scaffold's base class)")
+    if not issubclass(cls, torch.optim.Optimizer):
+        raise CheckFailed(f"{cls.__name__} is not a torch.optim.Optimizer: keep the scaffold's base class")
+
+
+def _my_slice(t, rank, world_size):
+    micro = GLOBAL_BATCH // world_size
+    return t[rank * micro:(rank + 1) * micro]
+
+
+def _state(opt, attr, i, name):
+    seq = getattr(opt, attr, None)
+    if not isinstance(seq, (list, tuple)):
+        raise AssertionError(f"self.{attr} is {type(seq).__name__}; keep the scaffold's layout: a list with one "
+                             f"fp32 tensor per trainable parameter, in the order of self.params")
+    if i >= len(seq):
+        raise AssertionError(f"self.{attr} has {len(seq)} entries, the model {i + 1}+ trainable parameters")
+    t = seq[i]
+    if not isinstance(t, torch.Tensor):
+        raise AssertionError(f"self.{attr}[{i}] ({name}) is a {type(t).__name__}, not a tensor")
+    if t.dtype != torch.float32:
+        raise AssertionError(
+            f"self.{attr}[{i}] ({name}) is {t.dtype}: the master weights and Adam's m and v must be fp32. An "
+            "update η·m̂/√v̂ of ~1e-3 is a fraction of a unit in the last place of a bf16 weight (2**-9 = 0.002 "
+            "between 0.25 and 0.5): 16-bit masters lose or distort most updates")
+    return t
+
+
+def _train_case(rank, world_size, cls, name, dtype, steps, inject_at):
+    dtype = _dtype(dtype)
+    compare = inject_at is None  # numerics; otherwise the skipped step alone
+    kind = KINDS[name]
+    model = build_model(name)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    params = [p for _, p in named]
+    ref_params = [p.detach().clone().requires_grad_(True) for p in params]  # fp32, as built
+    reference = _TorchAdamW(ref_params, foreach=False, **HYPER)
+    fp16 = dtype == torch.float16
+    scaler = ReferenceScaler(init_scale=2.0**10 if fp16 else 1.0, growth_factor=2.0 if fp16 else 1.0,
+                             growth_interval=1000)
+    opt = cls(model.parameters(), dtype=dtype, scaler=scaler, **HYPER)
+    if getattr(opt, "scaler", None) is not scaler:
+        raise AssertionError("the optimizer did not keep the scaler it was given (self.scaler = scaler, as in the "
+                             "scaffold)")
+    for n, p in named if compare else ():
+        if p.dtype != dtype:
+            raise AssertionError(f"parameter {n} is {p.dtype} after the optimizer was built; the model computes in "
+                                 f"{dtype}: make every parameter 16-bit (p.data = p.data.to(dtype)) after taking "
+                                 "its fp32 master copy")
+    for step in range(steps):
+        x, y = global_batch(kind, step, GLOBAL_BATCH)
+        x, y = _my_slice(x, rank, world_size), _my_slice(y, rank, world_size)
+        if x.is_floating_point():
+            x = x.to(params[0].dtype)
+        loss = loss_for(kind, model(x).float(), y)
+        opt.scale_loss(loss).backward()
+        poisoned = step == inject_at and rank == world_size - 1
+        if poisoned:
+            params[0].grad.view(-1)[0] = float("inf")
+        # the gradient the scaffold's step computes: the same all-reduce, on copies
+        reduced = [None if p.grad is None else p.grad.detach().clone() for p in params]
+        for r in reduced:
+            if r is not None:
+                dist.all_reduce(r, op=dist.ReduceOp.AVG)
+        scale = scaler.scale
+        before = [p.detach().clone() for p in params]
+        if compare:
+            masters_before = [_state(opt, "masters", i, n).clone() for i, (n, _) in enumerate(named)]
+        else:
+            state_before = _held_state(opt)
+        updates = scaler.updates
+        opt.step()
+        opt.zero_grad()
+        when = f"step {step + 1}"
+        if scaler.updates != updates + 1:
+            raise AssertionError(f"{when}: step() called self.scaler.update() {scaler.updates - updates} times; "
+                                 "call it exactly once per step (after unscale), and skip the update when it "
+                                 "returns False")
+        overflow = not all(bool(torch.isfinite(r).all()) for r in reduced if r is not None)
+        if not compare:
+            changed = [n for (n, p), b in zip(named, before) if not torch.equal(p.detach(), b)]
+            if overflow:
+                who = f"rank {world_size - 1}'s gradient of {named[0][0]} held an inf"
+                moved = [f"parameter {n}" for n in changed[:2]] + [
+                    f"self.{attr}[{i}]" for attr, i, t in state_before
+                    if not torch.equal(getattr(opt, attr)[i], t)][:2]
+                if moved:
+                    raise AssertionError(
+                        f"{when}: {who}, yet your optimizer changed {', '.join(moved)} on rank {rank}: on an "
+                        "overflow step nothing may change (weights, masters, m, v, the step count): return from "
+                        "step() when self.scaler.update() returns False")
+                if scaler.scale != scale * 0.5:
+                    raise AssertionError(f"{when}: an overflow, and the scale went {scale:g} -> {scaler.scale:g}")
+            elif not changed:
+                raise AssertionError(f"{when}: no inf or nan on any rank, yet no parameter changed on rank {rank}: "
+                                     "step when self.scaler.update() returns True")
+            continue
+        if overflow:
+            raise AssertionError(f"{when}: the gradient overflowed without an injected inf (the check's data should "
+                                 "not do that); is the loss scaled once, by opt.scale_loss?")
+        for rp, r in zip(ref_params, reduced):
+            rp.grad = None if r is None else r.float() / scale
+        with _reference_adam():
+            reference.step()
+        for i, ((n, p), rp) in enumerate(zip(named, ref_params)):
+            master = _state(opt, "masters", i, n)
+            if i == 0 and step == 0 and torch.equal(master, masters_before[i]):
+                raise AssertionError(
+                    f"{when}: the master weights of {n} (self.masters[{i}]) did not change: apply the AdamW "
+                    "update to the fp32 masters (adamw_update_(self.masters[i], grad, ...)), then copy each "
+                    "master into its 16-bit parameter")
+            assert_close(master, rp.detach(), f"the master weights of {n} (self.masters[{i}]) after {when}")
+            for attr, key, what in (("exp_avgs", "exp_avg", "m"), ("exp_avg_sqs", "exp_avg_sq", "v")):
+                ref_state = reference.state[rp][key]
+                assert_close(_state(opt, attr, i, n), ref_state, f"{what} of {n} (self.{attr}[{i}]) after {when}",
+                             atol=1e-5 * float(ref_state.abs().max()) + 1e-12, rtol=1e-4)
+            if p.dtype != dtype or not torch.equal(p.detach(), master.to(dtype)):
+                raise AssertionError(
+                    f"{when}: parameter {n} is not its master weights rounded to {dtype} (max |difference| "
+                    f"{float((p.detach().double() - master.double()).abs().max()):.3g}): after updating the fp32 "
+                    "master, copy it into the 16-bit parameter (p.copy_(master)); the model computes with those")
+    return sum(p.numel() for p in params)
+
+
+def _held_state(opt):
+    """(attr, index, copy) of every tensor in the optimizer's state lists, whatever their dtype."""
+    out = []
+    for attr in ("masters", "exp_avgs", "exp_avg_sqs"):
+        seq = getattr(opt, attr, None)
+        if isinstance(seq, (list, tuple)):
+            out += [(attr, i, t.detach().clone()) for i, t in enumerate(seq) if isinstance(t, torch.Tensor)]
+    return out
+
+
+def check_master_update(cls, world_size=2, model="mlp", dtype="bf16", steps=4, timeout=60.0):
+    """On world_size ranks: fp32 masters, m and v after every step match torch.optim.AdamW in fp32 fed the same
+    mean, unscaled gradient; the model's weights are the masters rounded to 16 bits."""
+    __tracebackhide__ = True
+    _check_optimizer_class(cls)
+    psi = run_on_ranks(_train_case, world_size, args=(cls, model, dtype, steps, None), timeout=timeout,
+                       what=cls.__name__)[0]
+    passed(f"{cls.__name__} in {dtype} on {world_size} ranks ({model}, Ψ = {psi}): fp32 masters, m and v match "
+           f"torch.optim.AdamW after each of {steps} steps; the 16-bit weights are the rounded masters")
+
+
+def check_overflow_step(cls, world_size=2, model="mlp", dtype="fp16", steps=4, inject_at=1, timeout=60.0):
+    """An inf in the last rank's gradient at step inject_at + 1: no weight, master, m or v changes on any rank
+    in that step, update() is called once (the scale halves), and the other steps do update."""
+    __tracebackhide__ = True
+    _check_optimizer_class(cls)
+    psi = run_on_ranks(_train_case, world_size, args=(cls, model, dtype, steps, inject_at), timeout=timeout,
+                       what=cls.__name__)[0]
+    passed(f"{cls.__name__} on {world_size} ranks ({model}, Ψ = {psi}, {dtype}): an inf on rank {world_size - 1} "
+           f"at step {inject_at + 1} skipped that step everywhere and halved the scale; the other {steps - 1} steps "
+           "updated")
