@@ -183,3 +183,55 @@ def test_census_writes_no_warning():
         warnings.simplefilter("always")
         zerokit.census(model, opt)
     assert [f"{w.category.__name__}: {w.message}" for w in caught] == []
+
+
+def probe_worker(rank, world_size):
+    """One probed step per stage (after a first, unprobed one): at-rest and peak census."""
+    from zerokit.demo import buffer_bytes
+
+    out = {}
+    for stage in ("zero1", "zero2", "zero3"):
+        gc.collect()
+        model = big_mlp()
+        if stage == "zero1":
+            opt = zerokit.ZeRO1Adam(model.parameters(), lr=1e-3)
+        elif stage == "zero2":
+            opt = zerokit.ZeRO2Adam(model.parameters(), lr=1e-3, bucket_mb=0.1)
+        else:
+            opt = zerokit.ZeRO3Adam(model, lr=1e-3)
+        one_step(model, opt, rank, world_size)
+        opt.zero_grad()
+        probe = zerokit.MemoryProbe(model, opt)
+        with probe:
+            one_step(model, opt, rank, world_size)
+            opt.zero_grad()
+        out[stage] = {"psi": sum(b.numel for b in opt.buckets),
+                      "at_rest": {k: probe.after_step[k] for k in CATS},
+                      "peak": {k: probe.peak[k] for k in CATS},
+                      "buffers": {k: b for k, (b, _) in buffer_bytes(stage, opt, model).items()}}
+        del model, opt, probe
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_probe_at_rest_and_peak_match_stage_theory():
+    """MemoryProbe on 2 ranks. At rest (right after step(), nothing in transit) each category
+    is the paper's figure, up to padding. At its peak each category is the paper's figure
+    plus the buffers zerokit.demo.buffer_bytes derives from the stage's buckets and units:
+    ZeRO-2's reduce-scatters in flight (their flat inputs and output shards are gradients),
+    ZeRO-3's gathered and prefetched units (parameters, also while the all-gather is in flight).
+    """
+    n = 2
+    for rank, got in enumerate(run_ranks(probe_worker, n)):
+        for stage, g in got.items():
+            theory = theory_bytes(g["psi"], stage, n, "fp32")
+            for cat in CATS:
+                assert within(g["at_rest"][cat], theory[cat]), (rank, stage, cat, g["at_rest"][cat], theory[cat])
+                assert g["at_rest"][cat] <= theory[cat] + 2 * 4 * n * 8, (rank, stage, cat)  # padding only
+                expected = theory[cat] + g["buffers"].get(cat, 0)
+                # the structure's figure is an upper bound (a bucket's gradients but its last, ...)
+                assert within(g["peak"][cat], expected) and g["peak"][cat] <= expected + 2 * 4 * n * 8, (
+                    f"rank {rank} {stage} {cat}: peak {g['peak'][cat]} B, theory + buffers {expected:.0f} B")
+        assert got["zero2"]["buffers"]["gradients"] > 0.1 * got["zero2"]["psi"]  # buckets in flight are seen
+        assert got["zero3"]["buffers"]["parameters"] > 0.1 * got["zero3"]["psi"]  # gathered units are seen

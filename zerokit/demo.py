@@ -4,10 +4,14 @@
 
 For data parallel Adam and ZeRO-1/2/3 on N ranks (gloo on CPU) it trains a small
 transformer for a few steps and measures, per rank:
-- model-state bytes by category at their peak during a step (zerokit.memory.MemoryProbe:
-  a census of live tensors after every module's forward, as each gradient arrives and
-  around the optimizer step), beside theory_bytes() for fp32 Adam (4 + 4 + 8 bytes per
-  parameter, divided by N where the stage shards);
+- model-state bytes by category at rest (right after opt.step(): steady state, nothing in
+  transit), beside theory_bytes() for fp32 Adam (4 + 4 + 8 bytes per parameter, divided
+  by N where the stage shards): equal, up to padding;
+- the same at their peak during a step (zerokit.memory.MemoryProbe: a census of live
+  tensors after every module's forward, as each gradient arrives and around the optimizer
+  step), beside theory plus the buffers the stage holds at that moment, derived from its
+  buckets, units and their order (buffer_bytes: ZeRO-2's reduce-scatters in flight,
+  ZeRO-3's gathered units);
 - elements communicated per step (zerokit.CommCounter, the paper's volume convention),
   beside 2Ψ (DP, ZeRO-1, ZeRO-2) and 3Ψ (ZeRO-3);
 - that all stages end with the same parameters (max difference from data parallel).
@@ -24,6 +28,7 @@ import torch
 
 STAGES = ("ddp", "zero1", "zero2", "zero3")
 LABELS = {"ddp": "data parallel", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3"}
+CATEGORIES = ("parameters", "gradients", "optimizer_states")
 MODEL = dict(vocab=1999, dim=150, n_layers=3, n_heads=6, seq_len=32)
 
 
@@ -78,29 +83,98 @@ def measure(rank, world_size, stage, steps=3, micro_batch=4):
     with gathered:
         checksum = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
     return {
-        "psi": psi, "peak": probe.peak, "buffers": buffer_bytes(stage, opt), "volume": comm.volume(),
+        "psi": psi, "peak": probe.peak, "peak_where": probe.peak_where,
+        "at_rest": {k: probe.after_step[k] for k in CATEGORIES},
+        "buffers": buffer_bytes(stage, opt, model), "volume": comm.volume(),
         "sent_bytes": comm.sent_bytes(),
         "calls": comm.table(), "loss": loss, "step_time": step_time, "params": checksum,
     }
 
 
-def buffer_bytes(stage, opt):
-    """Bytes a stage holds beyond the paper's accounting, by category, from its own structure.
+FP32 = 4  # bytes per element: the demo trains in fp32
 
-    ZeRO-2: gradients of the bucket being filled, plus up to `max_in_flight` flat copies
-    being reduce-scattered. ZeRO-3: the root unit's full weights and gradients (it stays
-    gathered through forward and backward) plus the two largest other units (the one
-    computing and the one prefetched), for weights and for gradients in flight.
+
+def buffer_bytes(stage, opt, model=None):
+    """What a stage holds at each category's peak beyond the paper's table, from its structure.
+
+    Returns {category: (bytes, the moment of the peak in words)}. Derived from the buckets,
+    the units and the order they run in, not from a measurement, so measured / (theory +
+    buffers) checks an understanding of what is alive when:
+
+    - ZeRO-2, gradients (`gradient_peak`): buckets fill and are sent in order during
+      backward, and up to `max_in_flight` reduce-scatters stay in flight, each holding its
+      bucket's full-size flat copy (the input) beside the reduced shard (the output).
+    - ZeRO-3, parameters (`gathered_peak`): besides every unit's shard, the root unit stays
+      gathered from forward to the end of backward, and while one unit computes the next
+      (in forward order, or the previous one in backward) is being gathered (prefetch).
+    - ZeRO-3, gradients: as ZeRO-2's, with one bucket per unit, and the root unit's
+      gradients waiting, counted whole, until it is sent last, right after (in the same
+      hook as) the first unit: its gradients arrive during backward, the final norm's early
+      and the position embedding's just before the token embedding's (which runs first in
+      forward). Counting it whole is an upper bound by what has not arrived yet.
+    The "buffer" is the peak minus the paper's figure; every shard counted includes its
+    padding (under N elements per bucket). These are the moments the probe can see, between
+    hooks: inside one `_send` a bucket's .grad and its new flat copy coexist for an instant,
+    next to a third transfer not yet awaited, which only the allocator's peak would show.
     """
-    if stage == "zero2":
-        bucket = max(b.padded_numel for b in opt.buckets) * 4
-        return {"gradients": (opt.max_in_flight + 1) * bucket}
+    out = {}
+    if stage not in ("zero2", "zero3"):
+        return out  # data parallel and ZeRO-1 hold nothing beyond the table (the bucket is the gradient)
+    sharded = FP32 * sum(b.numel for b in opt.buckets) / opt.world_size  # the paper's 4 Ψ / N
+    names = {id(m): n for n, m in model.named_modules()} if model is not None else {}
+    peak, where = gradient_peak(opt, names)
+    out["gradients"] = (peak - sharded, where)
     if stage == "zero3":
-        root = sum(b.padded_numel for b in opt.buckets if b.unit == 0) * 4
-        others = sorted((b.padded_numel * 4 for b in opt.buckets if b.unit != 0), reverse=True)
-        two = sum(others[:2])
-        return {"parameters": root + two, "gradients": root + (opt.max_in_flight + 1) * (others[0] if others else 0)}
-    return {}
+        peak, where = gathered_peak(opt, names)
+        out["parameters"] = (peak - sharded, where)
+    return out
+
+
+def _unit_name(opt, u, names):
+    return names.get(id(opt.units[u])) or ("the root" if u == 0 else f"unit {u}")
+
+
+def gradient_peak(opt, names=None):
+    """Peak gradient bytes of a ZeRO-2/3 backward, and when, from the buckets alone.
+
+    Gradients are assumed to arrive bucket by bucket, in bucket order (make_buckets lays
+    buckets out in reverse parameter order, ZeRO-3 in reverse unit order, for that reason).
+    Two moments per bucket i: just before its last gradient arrives (the shards of the
+    buckets sent before, the flat copies of those still in flight, and bucket i's gradients
+    but one: all but its smallest parameter, an upper bound; nothing for a bucket of one
+    parameter), and just after it is sent (its .grad freed, its flat copy and output shard in
+    flight, the oldest transfer beyond max_in_flight awaited).
+    """
+    buckets = opt.buckets
+    held = [getattr(b, "unit", None) == 0 for b in buckets]  # ZeRO-3's root unit (see above)
+    label = [f"bucket {i}" if getattr(b, "unit", None) is None else _unit_name(opt, b.unit, names or {})
+             for i, b in enumerate(buckets)]
+    shards, flight, moments = 0, [], []
+    for i, b in enumerate(buckets):
+        waiting = FP32 * sum(h.numel for h, is_held in zip(buckets, held) if is_held and h is not b)
+        if not held[i]:
+            filling = FP32 * (b.numel - min(b.numels))  # all but its last gradient, at most
+            moments.append((shards + sum(flight) + filling + waiting, f"{label[i]}: all but its last gradient"))
+        shards += FP32 * b.shard_numel
+        flight = (flight + [FP32 * b.padded_numel])[-opt.max_in_flight:]
+        if i + 1 < len(buckets) and held[i + 1]:
+            continue  # the root goes in the same hook: no moment in between for the probe to see
+        sent = ", ".join(label[k] for k in range(i - len(flight) + 1, i + 1))
+        moments.append((shards + sum(flight) + waiting, f"{label[i]} sent; flat copies of {sent} in flight"))
+    return max(moments, key=lambda m: m[0])
+
+
+def gathered_peak(opt, names=None):
+    """Peak parameter bytes of a ZeRO-3 step, and when: every shard, the root unit gathered,
+    and the largest pair of units next to each other in forward order (one computing, the
+    other being prefetched; backward visits the same pairs in reverse)."""
+    size = {u: FP32 * sum(b.padded_numel for b in opt.buckets if b.unit == u) for u in range(len(opt.units))}
+    shards = FP32 * sum(b.shard_numel for b in opt.buckets)
+    order = [u for u in (opt._order or opt._last_order) if u != 0]  # the forward order of the last step
+    pairs = [(order[0],)] + list(zip(order, order[1:]))
+    pair = max(pairs, key=lambda us: sum(size[u] for u in us))
+    label = " + ".join(_unit_name(opt, u, names or {}) for u in pair)
+    return shards + size[0] + sum(size[u] for u in pair), f"root unit + {label} gathered"
 
 
 def run(world_sizes=(2, 4), steps=3, progress=print):
@@ -116,12 +190,16 @@ def run(world_sizes=(2, 4), steps=3, progress=print):
             if reference is None:
                 reference = r["params"]
             theory = theory_bytes(r["psi"], stage, n, precision="fp32")
+            buffers = {k: b for k, (b, _) in r["buffers"].items()}
             rows.append({
                 "world_size": n, "stage": stage, "psi": r["psi"],
-                "measured": {k: max(res["peak"][k] for res in results) for k in ("parameters", "gradients", "optimizer_states")},
+                "measured": {k: max(res["peak"][k] for res in results) for k in CATEGORIES},
+                "peak_where": r["peak_where"],
+                "at_rest": {k: max(res["at_rest"][k] for res in results) for k in CATEGORIES},
                 "theory": theory,
-                "buffers": r["buffers"],
-                "theory_plus_buffers": theory["total"] + sum(r["buffers"].values()),
+                "buffers": buffers,
+                "buffer_moments": {k: w for k, (_, w) in r["buffers"].items()},
+                "theory_plus_buffers": {k: theory[k] + buffers.get(k, 0) for k in CATEGORIES},
                 "volume": r["volume"], "theory_volume": theory_volume(stage, r["psi"]),
                 "sent_bytes": r["sent_bytes"], "step_time": r["step_time"],
                 "max_param_diff_vs_ddp": (r["params"] - reference).abs().max().item(),
@@ -132,19 +210,38 @@ def run(world_sizes=(2, 4), steps=3, progress=print):
 
 
 def format_table(rows):
+    """Model state per rank: at rest beside the paper, at its peak beside the paper plus buffers."""
     mib = 2**20
-    head = (f"{'N':>2} {'stage':<13}{'params':>8}{'grads':>8}{'optim':>8}{'model state':>12}{'theory':>8}"
-            f"{'+buffers':>9}{'ratio':>7}{'comm/step':>10}{'theory':>7}{'max |Δθ|':>10}")
-    lines = [head, f"{'':>2} {'':<13}{'MiB':>8}{'MiB':>8}{'MiB':>8}{'MiB':>12}{'MiB':>8}{'MiB':>9}{'':>7}{'Ψ':>10}{'Ψ':>7}{'vs DP':>10}"]
+    lines = [f"{'N':>2} {'stage':<13}{'at rest':>8}{'theory':>8}{'ratio':>7}  |{'params':>8}{'grads':>8}"
+             f"{'optim':>8}{'peak':>8}{'theory':>8}{'+buffers':>9}{'ratio':>7}",
+             f"{'':>2} {'':<13}{'MiB':>8}{'MiB':>8}{'':>7}  |{'MiB':>8}{'MiB':>8}{'MiB':>8}{'MiB':>8}{'MiB':>8}{'MiB':>9}"]
     for r in rows:
-        m, t = r["measured"], r["theory"]
-        total = sum(m.values())
-        allowed = r["theory_plus_buffers"]
+        m, t, rest = r["measured"], r["theory"], sum(r["at_rest"].values())
+        peak, allowed = sum(m.values()), sum(r["theory_plus_buffers"].values())
         lines.append(
-            f"{r['world_size']:>2} {LABELS[r['stage']]:<13}{m['parameters'] / mib:>8.2f}{m['gradients'] / mib:>8.2f}"
-            f"{m['optimizer_states'] / mib:>8.2f}{total / mib:>12.2f}{t['total'] / mib:>8.2f}{allowed / mib:>9.2f}"
-            f"{total / allowed:>7.2f}{r['volume'] / r['psi']:>10.3f}{r['theory_volume'] / r['psi']:>7.0f}"
-            f"{r['max_param_diff_vs_ddp']:>10.1e}")
+            f"{r['world_size']:>2} {LABELS[r['stage']]:<13}{rest / mib:>8.2f}{t['total'] / mib:>8.2f}{rest / t['total']:>7.3f}  |"
+            f"{m['parameters'] / mib:>8.2f}{m['gradients'] / mib:>8.2f}{m['optimizer_states'] / mib:>8.2f}"
+            f"{peak / mib:>8.2f}{t['total'] / mib:>8.2f}{allowed / mib:>9.2f}{peak / allowed:>7.3f}")
+    return "\n".join(lines)
+
+
+def format_buffers(rows):
+    """Each buffer term, the moment the stage's structure puts its peak at, and where the probe saw it."""
+    lines = []
+    for r in rows:
+        for cat, moment in r["buffer_moments"].items():
+            m, want = r["measured"][cat], r["theory_plus_buffers"][cat]
+            lines.append(f"{r['world_size']:>2} {LABELS[r['stage']]:<7}{cat:<11}{r['buffers'][cat] / 2**20:>+6.2f} MiB "
+                         f"({m / want:.3f})  {moment}; probe: {r['peak_where'][cat]}")
+    return "\n".join(lines)
+
+
+def format_comm(rows):
+    lines = [f"{'N':>2} {'stage':<13}{'comm/step':>10}{'theory':>7}{'max |Δθ|':>10}",
+             f"{'':>2} {'':<13}{'Ψ':>10}{'Ψ':>7}{'vs DP':>10}"]
+    for r in rows:
+        lines.append(f"{r['world_size']:>2} {LABELS[r['stage']]:<13}{r['volume'] / r['psi']:>10.3f}"
+                     f"{r['theory_volume'] / r['psi']:>7.0f}{r['max_param_diff_vs_ddp']:>10.1e}")
     return "\n".join(lines)
 
 
@@ -173,11 +270,23 @@ def main(argv=None):
     print()
     print(f"TinyTransformer, Ψ = {rows[0]['psi']:,} parameters, fp32 Adam (4 + 4 + 8 bytes per parameter)")
     print(format_table(rows))
-    print("model state: peak bytes per category during one step (live-tensor census); theory: ZeRO paper,\n"
-          "  fp32 (P=4, G=4, K=8 bytes/param); +buffers: theory plus what the stage holds in transit (ZeRO-2:\n"
-          "  buckets being filled and reduced; ZeRO-3: the root unit and the two largest units gathered);\n"
-          "  ratio = measured / (theory + buffers). comm/step: elements per rank, paper convention\n"
-          "  (all-reduce = 2x); ZeRO-3 is a hair under 3: the small root unit is gathered once, not twice.")
+    print("at rest: model state right after opt.step() (before zero_grad): every category in its steady\n"
+          "  state, nothing in transit; theory: the ZeRO paper, fp32 (P=4, G=4, K=8 bytes/param, divided by N\n"
+          "  where the stage shards). peak: each category's peak during the step (live-tensor census after\n"
+          "  every module's forward, every gradient, and around the step); +buffers: theory plus what the\n"
+          "  stage's structure holds at that moment, below.")
+    print("\nbuffers at the peak (derived from buckets, units and their order; measured / (theory + buffer)):")
+    print(format_buffers(rows))
+    print("  ZeRO-2/3 gradients: the reduced shards so far, the full-size flat copy of each bucket whose\n"
+          "  reduce-scatter is still in flight (at most 2), the gradients of the bucket filling (ZeRO-3: and\n"
+          "  of the root unit, sent last). ZeRO-3 parameters: all shards, the root unit (gathered through\n"
+          "  forward and backward), and two neighbouring units: the one computing and the one prefetched.\n"
+          "  The ratios are 1 to the byte but for ZeRO-3's gradients: the root unit's are counted whole,\n"
+          f"  but at the peak its position embedding's ({MODEL['seq_len'] * MODEL['dim']:,} elements) has not arrived yet.")
+    print()
+    print(format_comm(rows))
+    print("comm/step: elements per rank, paper convention (all-reduce = 2x); ZeRO-3 is a hair under 3:\n"
+          "  the small root unit is gathered once, not twice. max |Δθ|: parameters after the steps vs DP.")
     path = plot(rows, Path(args.out) / "demo_memory.png")
     print(f"figure: {path}   ({time.perf_counter() - t0:.0f} s)")
     return rows

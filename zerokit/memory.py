@@ -17,11 +17,15 @@ collector (plus each parameter's .grad), counts each underlying storage once, an
 under the first category that claims it: a model parameter's storage is "parameters", a
 .grad's is "gradients", what the optimizer holds is "optimizer_states" (its `state`, or
 what a zerokit optimizer lists in `memory_categories()`), and everything else live is
-"other" (data, activations kept by Python, buffers). Tensors that only C++ holds (the
+"other" (data, activations kept by Python, buffers). Buffers of a zerokit optimizer's
+collectives in flight are model state in transit and are claimed as such (`_in_transit`):
+a ZeRO-3 all-gather's output (a prefetched unit) as parameters, a ZeRO-2/3 reduce-scatter's
+flat input and output shard as gradients. Tensors that only C++ holds (the
 activations autograd saved for backward) are invisible to it; on a GPU,
 `torch.cuda.max_memory_allocated` gives the true peak including them.
 `MemoryProbe` takes a census at many points of a training step (after each module's
-forward, as gradients arrive, around the optimizer step) and keeps the peak per category.
+forward, as gradients arrive, around the optimizer step) and keeps the peak per category,
+where it was seen, and the census right after the step (model state at rest).
 """
 
 import gc
@@ -67,6 +71,26 @@ def _storage_key(t):
     return (s.device.type, s.data_ptr()), s.nbytes()
 
 
+def _in_transit(optimizer):
+    """{category: [tensors]}: the buffers of a zerokit optimizer's collectives in flight.
+
+    Model state on its way somewhere is still model state: an all-gather's output is a full
+    copy of a unit's weights (ZeRO-3's prefetch, `_gathering`: bucket -> (work, full, shard)),
+    and a reduce-scatter's input and output are gradients (ZeRO-2/3's `_in_flight`: (work,
+    bucket, output shard, flat input)). Left unclaimed they would be filed under "other" by a
+    full census and not counted at all by a fast one (scan=False), and a prefetched unit or a
+    bucket's reduced shard would vanish from the parameter or gradient peak.
+    """
+    out = defaultdict(list)
+    for entry in (getattr(optimizer, "_gathering", None) or {}).values():
+        if isinstance(entry, tuple):  # (work, full buffer, input shard or its 16-bit copy)
+            out["parameters"].extend(t for t in entry[1:] if isinstance(t, torch.Tensor))
+    for entry in getattr(optimizer, "_in_flight", None) or ():
+        if isinstance(entry, tuple):  # (work, bucket index, output shard, flat input)
+            out["gradients"].extend(t for t in entry if isinstance(t, torch.Tensor))
+    return out
+
+
 def _optimizer_tensors(optimizer):
     """{category: [tensors]} the optimizer holds."""
     out = defaultdict(list)
@@ -76,6 +100,8 @@ def _optimizer_tensors(optimizer):
     if declared is not None:
         for cat, tensors in declared().items():
             out[cat].extend(tensors)
+    for cat, tensors in _in_transit(optimizer).items():
+        out[cat].extend(tensors)
     for state in getattr(optimizer, "state", {}).values():
         for v in state.values() if isinstance(state, dict) else ():
             if isinstance(v, torch.Tensor):
@@ -144,41 +170,72 @@ class MemoryProbe:
         probe = MemoryProbe(model, opt)
         with probe:
             loss_fn(model(x), y).backward(); opt.step(); opt.zero_grad()
-        probe.peak      # {category: bytes} (each category's own peak)
-        probe.at_peak   # the census at the moment the total was highest
+        probe.peak        # {category: bytes} (each category's own peak)
+        probe.peak_where  # {category: where that peak was seen}, e.g. "forward Block", "grad blocks.0.fc.weight"
+        probe.at_peak     # the census at the moment the total was highest
+        probe.after_step  # the census right after opt.step(): model state at rest (see below)
+        probe.trace       # with trace=True: [(where, census), ...], every sample in order
+
+    Where it samples: before and after every module's forward (after the optimizer's own
+    hooks on that module, registered first), after each parameter's gradient is
+    accumulated (likewise after the optimizer's hook, so a bucket that just filled is
+    already on its way), and before and after the optimizer step (with a full scan).
+
+    At rest: after step() and before zero_grad() every category holds its steady-state
+    storage and nothing is in transit (the gradients of DP and ZeRO-1 are still the full
+    ones, ZeRO-2/3 hold only their reduced shards, ZeRO-3 no gathered unit): the moment
+    the ZeRO paper's per-stage figures describe. (After zero_grad() the gradients are
+    freed in every stage.)
     """
 
-    def __init__(self, model, optimizer=None, device=None):
+    def __init__(self, model, optimizer=None, device=None, trace=False):
         self.model, self.optimizer, self.device = model, optimizer, device
         self.peak = dict.fromkeys(CATEGORIES + ("total",), 0)
+        self.peak_where = dict.fromkeys(CATEGORIES + ("total",), None)
         self.at_peak = dict(self.peak)
+        self.after_step = None
         self.samples = 0
+        self.trace = [] if trace else None
         self.cuda_peak = None
         self._handles = []
 
-    def sample(self, *_args, scan=False, **_kwargs):
+    def sample(self, *_args, scan=False, where="", **_kwargs):
         c = census(self.model, self.optimizer, self.device, scan=scan)
         self.samples += 1
+        if self.trace is not None:
+            self.trace.append((where, c))
         for k, v in c.items():
-            self.peak[k] = max(self.peak[k], v)
+            if v > self.peak[k] or self.peak_where[k] is None:
+                self.peak[k], self.peak_where[k] = v, where
         if c["total"] >= self.at_peak["total"]:
             self.at_peak = c
+        if where == "after step":
+            self.after_step = c
+        # returns None: a hook that returns something replaces the module's input or output
 
-    def full_sample(self, *_args, **_kwargs):
-        self.sample(scan=True)
+    def full_sample(self, *_args, where="", **_kwargs):
+        self.sample(scan=True, where=where)
 
     def __enter__(self):
         gc.collect()
-        self.full_sample()
+        self.full_sample(where="start")
+        names = {p: n for n, p in self.model.named_parameters()}
+
+        def on_module(when, module):
+            return lambda *_: self.sample(where=f"{when} {type(module).__name__}")
+
         for m in self.model.modules():
-            self._handles.append(m.register_forward_hook(self.sample))
-            self._handles.append(m.register_forward_pre_hook(self.sample))
+            self._handles.append(m.register_forward_hook(on_module("forward", m)))
+            self._handles.append(m.register_forward_pre_hook(on_module("before forward", m)))
         for p in self.model.parameters():
             if p.requires_grad:
-                self._handles.append(p.register_post_accumulate_grad_hook(self.sample))
+                self._handles.append(p.register_post_accumulate_grad_hook(
+                    lambda _p, name=names[p]: self.sample(where=f"grad {name}")))
         if self.optimizer is not None and hasattr(self.optimizer, "register_step_pre_hook"):
-            self._handles.append(self.optimizer.register_step_pre_hook(self.full_sample))
-            self._handles.append(self.optimizer.register_step_post_hook(self.full_sample))
+            self._handles.append(self.optimizer.register_step_pre_hook(
+                lambda *_: self.full_sample(where="before step")))
+            self._handles.append(self.optimizer.register_step_post_hook(
+                lambda *_: self.full_sample(where="after step")))
         if torch.cuda.is_available() and (self.device or "").startswith("cuda"):
             torch.cuda.reset_peak_memory_stats()
         return self
@@ -187,7 +244,7 @@ class MemoryProbe:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        self.full_sample()
+        self.full_sample(where="end")
         if torch.cuda.is_available() and (self.device or "").startswith("cuda"):
             self.cuda_peak = torch.cuda.max_memory_allocated()
         return False

@@ -21,6 +21,9 @@ and each rank keeps the fp32 master of its own shard beside m and v: the master 
 sharded with the optimizer state.
 """
 
+import weakref
+from functools import partial
+
 import torch
 import torch.distributed as dist
 
@@ -30,7 +33,23 @@ from .ddp import broadcast_parameters
 from .flat import FlatBucket
 from .mixed_precision import MixedPrecisionState
 
-__all__ = ["ZeRO1Adam", "ShardedAdamState"]
+__all__ = ["ZeRO1Adam", "ShardedAdamState", "weak_hook"]
+
+
+def weak_hook(method):
+    """A hook that calls `method` without keeping its object alive.
+
+    Hooks on parameters are held by C++, where Python's garbage collector cannot see the
+    cycle parameter -> hook -> optimizer -> parameter; a bound method there would keep
+    every optimizer ever built (and its shards) alive for as long as the model lives.
+    """
+    ref = weakref.WeakMethod(method)
+
+    def hook(*args):
+        target = ref()
+        return None if target is None else target(*args)
+
+    return hook
 
 
 class ShardedAdamState:
@@ -39,6 +58,8 @@ class ShardedAdamState:
     Per-parameter step counts keep the bias correction right when a parameter has no
     gradient in some step (torch.optim.AdamW then skips it, state and all).
     """
+
+    CPU_CHUNK = 1 << 16  # elements per Adam call on a CPU (see update)
 
     def __init__(self, bucket: FlatBucket, dtype=torch.float32, device=None):
         self.bucket = bucket
@@ -55,12 +76,21 @@ class ShardedAdamState:
             if has_grad:
                 self.steps[i] += 1
         beta1, beta2 = group["betas"]
+        # On a CPU, cut the shard into chunks. adamw_update_ allocates temporaries as large as
+        # its input (sqrt, division): on a whole shard each is a fresh multi-MiB block that the
+        # C library maps and the kernel faults in again every step, and each of its eight passes
+        # streams the shard through main memory. A chunk's four tensors stay in the cache and
+        # its temporaries are small and reused: about 3x faster on one core. On a GPU one
+        # kernel per operation over the whole shard is best.
+        chunk = self.CPU_CHUNK if param_shard.device.type == "cpu" else None
         for lo, hi, step in self._runs(present):
-            adamw_update_(
-                param_shard[lo:hi], grad_shard[lo:hi], self.exp_avg[lo:hi], self.exp_avg_sq[lo:hi], step,
-                lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                weight_decay=group["weight_decay"],
-            )
+            for a in range(lo, hi, chunk or hi - lo):
+                b = min(a + chunk, hi) if chunk else hi
+                adamw_update_(
+                    param_shard[a:b], grad_shard[a:b], self.exp_avg[a:b], self.exp_avg_sq[a:b], step,
+                    lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                    weight_decay=group["weight_decay"],
+                )
 
     def _runs(self, present):
         """Contiguous [lo, hi) ranges of the shard that share one step count: usually one."""
@@ -113,6 +143,9 @@ class ZeRO1Adam(torch.optim.Optimizer):
                 self.bucket_group.append(gi)
                 self.shards.append(ShardedAdamState(bucket, dtype=torch.float32))
         self.flat_params = [self._install_flat_params(i) for i in range(len(self.buckets))]
+        self._grad_buffers = [None] * len(self.buckets)  # flat gradients of this step, per bucket
+        if type(self)._grad_shard is ZeRO1Adam._grad_shard:  # not ZeRO-2: it reduces in backward
+            self._hook_gradients()
 
     def _make_buckets(self, params):
         return [FlatBucket(params, self.world_size, self.rank)] if params else []
@@ -131,6 +164,44 @@ class ZeRO1Adam(torch.optim.Optimizer):
             flat = self.mixed.to_half(flat)
         for p, view in zip(bucket.params, bucket.views(flat)):
             p.data = view
+        return flat
+
+    def _hook_gradients(self):
+        """Make each gradient, as autograd writes it, a view of one flat buffer per bucket.
+
+        Otherwise step() copies the gradients into a new flat buffer to reduce-scatter them,
+        and at that moment they are held twice (2 G Psi bytes). As views, the buffer *is*
+        the gradients (PyTorch DDP's gradient_as_bucket_view). Not where gradients are
+        reduced in another dtype than they are computed in: step() converts them by copying.
+        """
+        for bi, bucket in enumerate(self.buckets):
+            if self.reduce_dtype in (None, bucket.params[0].dtype):
+                for j, p in enumerate(bucket.params):
+                    p.register_post_accumulate_grad_hook(partial(weak_hook(self._grad_into_buffer), bi, j))
+
+    @torch.no_grad()
+    def _grad_into_buffer(self, bi, j, param):
+        if param.grad.requires_grad:  # backward(create_graph=True): leave the graph intact
+            return
+        if self._grad_buffers[bi] is None:  # the first gradient of this bucket since the last step
+            self._grad_buffers[bi] = self.buckets[bi].empty()
+        offset, numel = self.buckets[bi].offsets[j], param.numel()
+        view = self._grad_buffers[bi][offset:offset + numel].view_as(param)
+        if param.grad.data_ptr() != view.data_ptr():  # a new gradient, not one accumulated in place
+            view.copy_(param.grad)
+            param.grad = view  # the original is freed now
+
+    def _flat_grad(self, i):
+        """Bucket i's gradients in one flat buffer: the views' buffer, completed, or a new copy."""
+        bucket, flat = self.buckets[i], self._grad_buffers[i]
+        self._grad_buffers[i] = None  # the next backward starts a new buffer; .grad keeps this one
+        if flat is None:
+            return bucket.flatten([p.grad for p in bucket.params], dtype=self.reduce_dtype)
+        for p, view in zip(bucket.params, bucket.views(flat)):
+            if p.grad is None:
+                view.zero_()  # no gradient on this rank counts as zero
+            elif p.grad.data_ptr() != view.data_ptr():  # set by hand, not by backward
+                view.copy_(p.grad)
         return flat
 
     def _presence(self, has_grad):
@@ -202,7 +273,7 @@ class ZeRO1Adam(torch.optim.Optimizer):
     def _grad_shard(self, i):
         """The mean gradient of this rank's shard: a reduce-scatter of the flat gradients."""
         bucket = self.buckets[i]
-        flat_grad = bucket.flatten([p.grad for p in bucket.params], dtype=self.reduce_dtype)
+        flat_grad = self._flat_grad(i)
         grad_shard = torch.empty_like(bucket.shard(flat_grad))
         reduce_scatter(grad_shard, flat_grad, op=dist.ReduceOp.AVG, group=self.group)
         return grad_shard
@@ -228,6 +299,7 @@ class ZeRO1Adam(torch.optim.Optimizer):
     def zero_grad(self, set_to_none=True):
         super().zero_grad(set_to_none=set_to_none)
         self._grad_cache = None  # a clipped-but-not-stepped gradient must not reach the next step
+        self._grad_buffers = [None] * len(self.buckets)
 
     def memory_categories(self):
         """The tensors this optimizer holds, by category, for zerokit.memory.census.
@@ -236,6 +308,7 @@ class ZeRO1Adam(torch.optim.Optimizer):
         """
         return {
             "parameters": list(self.flat_params),
+            "gradients": [b for b in self._grad_buffers if b is not None],
             "optimizer_states": [t for s in self.shards for t in (s.master, s.exp_avg, s.exp_avg_sq)
                                  if t is not None],
         }

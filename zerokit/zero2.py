@@ -24,7 +24,6 @@ them (ZeRO-1's memory) between micro-batches:
     loss_fn(model(xk), yk).backward()   # the last one reduce-scatters the sum, once
 """
 
-import weakref
 from contextlib import contextmanager
 
 import torch
@@ -32,25 +31,9 @@ import torch.distributed as dist
 
 from .comm import reduce_scatter
 from .flat import make_buckets
-from .zero1 import ZeRO1Adam
+from .zero1 import ZeRO1Adam, weak_hook
 
 __all__ = ["ZeRO2Adam", "weak_hook"]
-
-
-def weak_hook(method):
-    """A hook that calls `method` without keeping its object alive.
-
-    Hooks on parameters are held by C++, where Python's garbage collector cannot see the
-    cycle parameter -> hook -> optimizer -> parameter; a bound method there would keep
-    every optimizer ever built (and its shards) alive for as long as the model lives.
-    """
-    ref = weakref.WeakMethod(method)
-
-    def hook(*args):
-        target = ref()
-        return None if target is None else target(*args)
-
-    return hook
 
 
 class ZeRO2Adam(ZeRO1Adam):

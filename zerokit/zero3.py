@@ -139,7 +139,17 @@ class ZeRO3Adam(ZeRO2Adam):
         shard = self.flat_params[bi]
         if self.mixed:  # an fp32 master at rest is sent in 16 bits (a 16-bit shard as it is)
             shard = self.mixed.to_half(shard)
-        full = torch.empty(self.buckets[bi].padded_numel, dtype=shard.dtype, device=shard.device)
+        # The same buffer at every gather, its memory allocated here and released by _free
+        # (storage resized to 0, PyTorch FSDP's trick). Autograd saves some weights for
+        # backward as views of this buffer (a linear layer keeps its transposed weight): with
+        # a fresh buffer per gather, those views would keep every unit's full weights alive
+        # from forward to backward. Resized in place, the saved views hold no memory in
+        # between and see the weights again once backward's gather refills the buffer.
+        bucket = self.buckets[bi]
+        full = getattr(bucket, "gather_buffer", None)
+        if full is None or full.dtype != shard.dtype:
+            full = bucket.gather_buffer = torch.empty(bucket.padded_numel, dtype=shard.dtype, device=shard.device)
+        full.untyped_storage().resize_(full.numel() * full.element_size())
         work = all_gather(full, shard, group=self.group, async_op=True)
         self._gathering[bi] = (work, full, shard)  # the input must outlive the transfer
 
@@ -155,12 +165,16 @@ class ZeRO3Adam(ZeRO2Adam):
 
     @torch.no_grad()
     def _free(self, bi):
+        full = self._full[bi]
         if bi in self._gathering:  # a prefetch nobody used
-            self._gathering.pop(bi)[0].wait()
+            work, full, _shard = self._gathering.pop(bi)
+            work.wait()
         if self._full[bi] is not None:
             for p in self.buckets[bi].params:
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
             self._full[bi] = None
+        if full is not None:
+            full.untyped_storage().resize_(0)  # also under views autograd saved (see _start_gather)
 
     def _gather_unit(self, u, prefetch_next=None):
         for bi in self._buckets_of_unit[u]:

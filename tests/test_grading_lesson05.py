@@ -1,0 +1,376 @@
+"""Lesson 05's grader, validated: the notebook's own solution passes every check (the
+hidden configurations here; the visible ones below, beside each bug), the untouched student notebook fails every check,
+and each classic ZeRO-3 bug fails the check meant to catch it, with a message that names
+the problem, and passes the others.
+
+The classes under test come from the notebooks themselves (the two exercise cells of
+solutions/ and of lessons/), so this file tests what a student gets and what the
+instructor ships. The broken variants below subclass the solution and replace a method.
+"""
+
+import json
+import sys
+import types
+from pathlib import Path
+
+import cloudpickle
+import pytest
+import torch
+import torch.distributed as dist
+
+import zerokit
+from zerokit.comm import all_gather
+from zerokit.grading import lesson05
+from zerokit.grading.harness import CheckFailed
+
+ROOT = Path(__file__).resolve().parents[1]
+SOLUTION = ROOT / "solutions" / "05_zero3" / "05_zero3.ipynb"
+RELEASE = ROOT / "lessons" / "05_zero3" / "05_zero3.ipynb"
+
+# the classes below are sent to the ranks by value: this module is not importable there
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def _cell(notebook, grade_id):
+    cells = json.loads(notebook.read_text())["cells"]
+    cell = next(c for c in cells if c.get("metadata", {}).get("nbgrader", {}).get("grade_id") == grade_id)
+    return "".join(cell["source"])
+
+
+def exercise_classes(notebook, sharded=None):
+    """(ShardedParameters, MyZeRO3Adam) as the notebook's two exercise cells define them;
+    `sharded`: put this class under MyZeRO3Adam instead of the notebook's own."""
+    # a module missing from sys.modules: cloudpickle sends what it defines by value
+    module = types.ModuleType(f"exercise_{notebook.parent.parent.name}_{id(sharded)}")
+    exec(compile(_cell(notebook, "sharded_parameters"), f"{notebook.name}:sharded_parameters", "exec"),
+         module.__dict__)
+    if sharded is not None:
+        module.ShardedParameters = sharded
+    exec(compile(_cell(notebook, "my_zero3"), f"{notebook.name}:my_zero3", "exec"), module.__dict__)
+    return module.ShardedParameters, module.MyZeRO3Adam
+
+
+Sharded, Solution = exercise_classes(SOLUTION)
+UntouchedSharded, UntouchedHooks = exercise_classes(RELEASE)
+
+
+class _Done:
+    """A finished collective (what a blocking call leaves behind)."""
+
+    def wait(self):
+        pass
+
+
+# ---------------------------------------------------------------------------------------
+# the classic bugs of exercise 1 (gather and free)
+
+
+class SyncGather(Sharded):
+    """_start_gather waits for the all-gather and installs the parameters: no overlap."""
+
+    def _start_gather(self, bi):
+        if self._full[bi] is not None or bi in self._gathering:
+            return
+        full = torch.empty(self.buckets[bi].padded_numel)
+        all_gather(full, self.flat_params[bi], group=self.group)
+        with torch.no_grad():
+            for p, view in zip(self.buckets[bi].params, self.buckets[bi].views(full)):
+                p.data = view
+        self._full[bi] = full
+
+
+class GathersTwice(Sharded):
+    """_finish_gather starts a fresh all-gather even when a prefetch is in flight."""
+
+    @torch.no_grad()
+    def _finish_gather(self, bi):
+        if self._full[bi] is not None:
+            return
+        self._free(bi)  # drops the prefetch (after waiting for it) ...
+        self._start_gather(bi)  # ... and gathers again
+        work, full, _ = self._gathering.pop(bi)
+        work.wait()
+        for p, view in zip(self.buckets[bi].params, self.buckets[bi].views(full)):
+            p.data = view
+        self._full[bi] = full
+
+
+class FreeKeepsBuffer(Sharded):
+    """_free empties the parameters but keeps the gathered buffer in self._full."""
+
+    @torch.no_grad()
+    def _free(self, bi):
+        if bi in self._gathering:
+            self._gathering.pop(bi)[0].wait()
+        for p in self.buckets[bi].params:
+            p.data = torch.empty(0)
+
+
+class DropsReferencesOnly(Sharded):
+    """_free drops every reference to the buffer but does not release its memory: autograd's
+    saved views of the weights keep the whole unit alive from forward to backward."""
+
+    @torch.no_grad()
+    def _free(self, bi):
+        if bi in self._gathering:
+            self._gathering.pop(bi)[0].wait()
+        if self._full[bi] is not None:
+            for p in self.buckets[bi].params:
+                p.data = torch.empty(0)
+            self._full[bi] = None
+            self.buckets[bi].gather_buffer = None  # a fresh buffer next time
+
+
+class FreshBuffer(Sharded):
+    """Releases the memory in place, but gathers into a new tensor every time: the views
+    autograd saved in forward are left on the released storage, and backward fails."""
+
+    def _gather_buffer(self, bi, shard):
+        return torch.empty(self.buckets[bi].padded_numel, dtype=shard.dtype)
+
+
+class StashesFullCopy(Sharded):
+    """_free keeps a copy of the gathered weights "for later": the parameters look sharded,
+    a full copy lives on."""
+
+    @torch.no_grad()
+    def _free(self, bi):
+        if not hasattr(self, "_kept"):
+            self._kept = {}
+        if self._full[bi] is not None:
+            self._kept[bi] = self._full[bi].clone()
+        super()._free(bi)
+
+
+# ---------------------------------------------------------------------------------------
+# the classic bugs of exercise 2 (the hooks)
+
+
+class NeverFrees(Solution):
+    """Gathers each unit and never frees it during the step (only the scaffold's end of
+    backward does): right numbers, ZeRO-2's memory inside the step."""
+
+    def _post_forward(self, u, module, args, output):
+        if torch.is_grad_enabled():
+            register = torch.autograd.graph.register_multi_grad_hook
+            tensors = [t for t in torch.utils._pytree.tree_flatten(output)[0]
+                       if isinstance(t, torch.Tensor) and t.requires_grad]
+            if tensors:
+                register(tensors, lambda grad, u=u: self._pre_backward(u, grad), mode="any")
+
+    def _send(self, bi):
+        zerokit.ZeRO2Adam._send(self, bi)
+
+
+class KeepsUntilEndOfBackward(Solution):
+    """Frees after forward, but in backward keeps every unit until the end of backward."""
+
+    def _send(self, bi):
+        zerokit.ZeRO2Adam._send(self, bi)
+
+
+class NoRegather(Solution):
+    """Frees after forward and never gathers again for backward (no multi-grad hook)."""
+
+    def _post_forward(self, u, module, args, output):
+        if u != 0 or not torch.is_grad_enabled():
+            for bi in self._buckets_of_unit[u]:
+                self._free(bi)
+
+
+class KeepsCopies(Solution):
+    """Frees the parameters, but keeps a full copy of every unit "just in case": right
+    numbers, right collectives, and a full copy of the model alive at rest."""
+
+    def _post_forward(self, u, module, args, output):
+        if not hasattr(self, "_copies"):
+            self._copies = {}
+        self._copies[u] = [p.detach().clone() for bi in self._buckets_of_unit[u] for p in self.buckets[bi].params]
+        super()._post_forward(u, module, args, output)
+
+
+class AllReduceGradients(Solution):
+    """All-reduces each unit's gradients and keeps this rank's slice: right numbers, the
+    gradient not reduce-scattered (twice the traffic)."""
+
+    @torch.no_grad()
+    def _send(self, bi):
+        bucket = self.buckets[bi]
+        flat = bucket.flatten([p.grad for p in bucket.params])
+        for p in bucket.params:
+            p.grad = None
+        dist.all_reduce(flat, group=self.group)
+        out = bucket.shard(flat).div(self.world_size)
+        self._in_flight.append((_Done(), bi, out, flat))
+        self._next = bi + 1
+        self._free(bi)
+
+
+class NoPrefetch(Solution):
+    """Never gathers ahead: each unit waits for its own all-gather."""
+
+    def _gather_unit(self, u, prefetch_next=None):
+        for bi in self._buckets_of_unit[u]:
+            self._finish_gather(bi)
+
+
+class PrefetchAlways(Solution):
+    """Prefetches even with prefetch=False."""
+
+    def _gather_unit(self, u, prefetch_next=None):
+        for bi in self._buckets_of_unit[u] + (self._buckets_of_unit[prefetch_next] if prefetch_next is not None else []):
+            self._start_gather(bi)
+        for bi in self._buckets_of_unit[u]:
+            self._finish_gather(bi)
+
+
+class UsesTorchAdamW(Solution):
+    """Steps with torch.optim.AdamW on the gathered weights instead of the sharded Adam."""
+
+    def step(self, closure=None):
+        with self.gathered():
+            torch.optim.AdamW(self.module.parameters(), lr=self.param_groups[0]["lr"]).step()
+
+
+class SubclassesZeRO3(zerokit.ZeRO3Adam):
+    """zerokit's ZeRO-3 under the student's name."""
+
+
+class BorrowsFree(Sharded):
+    _free = zerokit.ZeRO3Adam._free
+
+
+class BorrowsPreForward(Solution):
+    _pre_forward = zerokit.ZeRO3Adam._pre_forward
+
+
+# ---------------------------------------------------------------------------------------
+# the checks, in the configurations of the notebook's test cells
+
+
+def _matches_visible(cls, **kw):
+    lesson05.check_matches_adamw(cls, world_size=2, kind="mlp", **kw)
+    lesson05.check_matches_adamw(cls, world_size=2, kind="edge", **kw)
+
+
+VISIBLE_MECHANICS = {
+    "gather_free": lambda cls, **kw: lesson05.check_gather_free(cls, world_size=2, kind="mlp", **kw),
+}
+VISIBLE_HOOKS = {
+    "matches_adamw": _matches_visible,
+    "parameters_sharded": lambda cls, **kw: lesson05.check_parameters_sharded(cls, world_size=2, kind="nested", **kw),
+    "communication": lambda cls, **kw: lesson05.check_communication(cls, world_size=2, kind="mlp", **kw),
+}
+HIDDEN_MECHANICS = [lambda cls: lesson05.check_gather_free(cls, world_size=3, kind="nested")]
+HIDDEN_HOOKS = [
+    lambda cls: lesson05.check_matches_adamw(cls, world_size=3, kind="nested"),
+    lambda cls: lesson05.check_matches_adamw(cls, world_size=3, kind="transformer", units="blocks"),
+    lambda cls: lesson05.check_parameters_sharded(cls, world_size=3, kind="transformer"),
+    lambda cls: lesson05.check_communication(cls, world_size=3, kind="nested"),
+]
+
+# bug -> {check it must fail: a fragment of the reason}; it must pass every other check
+MECHANICS_BUGS = {
+    SyncGather: {"gather_free": "start the all-gather with async_op=True"},
+    GathersTwice: {"gather_free": "must not be gathered again"},
+    FreeKeepsBuffer: {"gather_free": "still holds the gathered buffer"},
+    DropsReferencesOnly: {"gather_free": "release it in place"},
+    FreshBuffer: {"gather_free": "Gather into the same buffer every time"},
+    StashesFullCopy: {"gather_free": "something keeps a copy of the gathered weights"},
+}
+HOOK_BUGS = {
+    NeverFrees: {"parameters_sharded": "free each unit's parameters in its forward post-hook"},
+    KeepsUntilEndOfBackward: {"parameters_sharded": "as soon as its gradients are sent"},
+    KeepsCopies: {"parameters_sharded": "something keeps full-size buffers alive"},
+    AllReduceGradients: {"communication": "reduce-scatters of the gradients only"},
+    NoPrefetch: {"communication": "with prefetch,"},
+    PrefetchAlways: {"communication": "without prefetch nothing is gathered ahead"},
+    # a unit's backward cannot run on empty weights: every check that runs backward fails
+    NoRegather: {name: "must be gathered again before that unit's backward" for name in VISIBLE_HOOKS},
+    UsesTorchAdamW: {name: "your code called torch.optim.AdamW" for name in VISIBLE_HOOKS},
+}
+# a bug that may hang the ranks is stopped sooner than a student's would be
+SHORT_TIMEOUT = 20.0
+
+
+def outcome(check, cls, capsys, **kw):
+    """None if the check passed, else the reason it gave."""
+    try:
+        check(cls, **kw)
+    except CheckFailed as exc:
+        capsys.readouterr()
+        return str(exc)
+    except AssertionError as exc:  # raised before the ranks start (e.g. the class itself)
+        capsys.readouterr()
+        return str(exc)
+    out = capsys.readouterr().out
+    assert out.startswith("✓"), out
+    return None
+
+
+def _expect(bug, checks, failing, capsys):
+    for name, check in checks.items():
+        reason = outcome(check, bug, capsys, timeout=SHORT_TIMEOUT)
+        if name in failing:
+            assert reason is not None, f"{bug.__name__} passed {name}"
+            assert failing[name] in reason, f"{bug.__name__} failed {name} for another reason: {reason}"
+        else:
+            assert reason is None, f"{bug.__name__} should pass {name}, failed: {reason}"
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(90)
+def test_solution_passes_every_hidden_check(capsys):
+    # the visible configurations: every bug below must pass all but its own check, and
+    # test_hooks_are_graded_apart_from_the_mechanics runs the solution's hooks through them
+    for check in HIDDEN_MECHANICS:
+        assert outcome(check, Sharded, capsys) is None
+    for check in HIDDEN_HOOKS:
+        assert outcome(check, Solution, capsys) is None
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+def test_untouched_student_notebook_fails_every_check(capsys):
+    for checks, cls in ((VISIBLE_MECHANICS, UntouchedSharded), (VISIBLE_HOOKS, UntouchedHooks)):
+        for name, check in checks.items():
+            reason = outcome(check, cls, capsys)
+            # "IndexError": zerokit.launcher stumbles over the empty message of NotImplementedError()
+            # when several ranks raise it; the check fails either way
+            assert reason is not None and ("NotImplementedError" in reason or "IndexError" in reason), (name, reason)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("cls, checks, fragment", [
+    (SubclassesZeRO3, VISIBLE_HOOKS, "subclasses zerokit.ZeRO3Adam"),
+    (SubclassesZeRO3, VISIBLE_MECHANICS, "subclasses zerokit.ZeRO3Adam"),
+    (BorrowsFree, VISIBLE_MECHANICS, "is zerokit.ZeRO3Adam._free"),
+    (BorrowsPreForward, VISIBLE_HOOKS, "is zerokit.ZeRO3Adam._pre_forward"),
+], ids=["subclass-hooks", "subclass-mechanics", "borrows-free", "borrows-pre-forward"])
+def test_zerokit_zero3_under_another_name_fails(cls, checks, fragment, capsys):
+    for name, check in checks.items():
+        reason = outcome(check, cls, capsys)
+        assert reason is not None and fragment in reason, (name, reason)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("bug", list(MECHANICS_BUGS), ids=lambda b: b.__name__)
+def test_each_mechanics_bug_fails_exactly_its_check(bug, capsys):
+    _expect(bug, VISIBLE_MECHANICS, MECHANICS_BUGS[bug], capsys)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+def test_hooks_are_graded_apart_from_the_mechanics(capsys):
+    """Right hooks on top of an unfinished exercise 1 (its stubs raise) earn every hook
+    check: those run MyZeRO3Adam with zerokit's _start_gather, _finish_gather and _free."""
+    _, hooks = exercise_classes(SOLUTION, sharded=UntouchedSharded)
+    _expect(hooks, VISIBLE_HOOKS, {}, capsys)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("bug", list(HOOK_BUGS), ids=lambda b: b.__name__)
+def test_each_hook_bug_fails_exactly_its_check(bug, capsys):
+    _expect(bug, VISIBLE_HOOKS, HOOK_BUGS[bug], capsys)

@@ -1,0 +1,710 @@
+r"""Checks for lesson 05 (ZeRO-3): parameters sharded at rest, gathered around each use.
+
+Two exercises. `ShardedParameters` (built on zerokit.ZeRO2Adam, lesson 04's reference)
+keeps only this rank's shard of each unit's parameters; the student writes its mechanics:
+`_start_gather` (an asynchronous all-gather), `_finish_gather` (wait, install the full
+parameters as views of the gathered buffer) and `_free` (back to empty, the buffer's
+memory released in place: `resize_(0)`, which also frees it under the views autograd saved
+for backward; the scaffold's `_gather_buffer` re-allocates that same storage). `MyZeRO3Adam`
+builds on it and writes the hooks: `_gather_unit` (with prefetch), `_pre_forward`,
+`_post_forward` (free, and hook the outputs for the pre-backward gather), `_pre_backward`
+and `_send` (reduce-scatter, then free). Each check runs on real ranks, each rank on its
+own slice of the batch, and looks at one thing:
+
+- check_gather_free           the mechanics alone: one all-gather per gather, a prefetch is
+                              not gathered twice, the values are every rank's current shard
+                              in place, _free empties the parameters and releases the
+                              buffer's memory in place (autograd's saved views of it too),
+                              and the next gather refills that same buffer; no copy of
+                              the gathered weights survives (census of the process);
+- check_matches_adamw         numerics: weights, gradient shards and Adam's m and v shards
+                              against one process running torch.optim.AdamW, every step;
+- check_parameters_sharded    the memory point: every parameter empty between steps, the
+                              bytes this rank holds at rest ~ (4 + 8) Ψ/N (census), each unit
+                              full during its forward and freed right after it, freed in
+                              backward once its gradients are sent, and the peak of live
+                              parameter bytes inside forward far below a full copy;
+- check_communication         the price: at most two all-gathers per unit per step (forward,
+                              backward), one reduce-scatter, ≤ 3Ψ in all (1.5x data parallel),
+                              and prefetch: the next unit's all-gather is issued before the
+                              current unit computes (and none ahead with prefetch=False).
+
+Isolation: the hook checks give the student's MyZeRO3Adam zerokit's own `_start_gather`,
+`_finish_gather` and `_free` (and `_gather_buffer`), so a bug in the mechanics costs check_gather_free only.
+The single-process reference (torch.optim.AdamW) runs in the notebook's process before
+the ranks start: the harness forbids torch.optim.Adam/AdamW inside the workers.
+"""
+
+import gc
+import inspect
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+from torch.autograd.graph import register_multi_grad_hook
+from torch.nn import functional as F
+from torch.utils._pytree import tree_flatten
+
+from ..comm import CommCounter
+from ..memory import census
+from ..models import loss_for
+from ..reference import build_model, global_batch
+from ..zero2 import ZeRO2Adam
+from ..zero3 import ZeRO3Adam, _default_units
+from .compare import assert_close
+from .harness import passed, run_on_ranks
+
+__all__ = ["check_gather_free", "check_matches_adamw", "check_parameters_sharded", "check_communication",
+           "NestedNet", "build", "batch", "units_of", "with_reference_mechanics", "live_parameter_bytes"]
+
+# eps 1e-6, not 1e-8 (as in lesson 04): an element of the mean gradient that is ~1e-9 by
+# cancellation turns rounding differences of a different summation order into large Adam steps.
+LR, WEIGHT_DECAY, EPS = 1e-2, 0.1, 1e-6
+PER_RANK = 3  # samples per rank per step
+MECHANICS = ("_start_gather", "_finish_gather", "_free")
+HOOKS = ("_gather_unit", "_pre_forward", "_post_forward", "_pre_backward", "_send")
+
+
+# ---------------------------------------------------------------------------------------
+# models and data
+
+
+class NestedNet(nn.Module):
+    """Nested modules: a stem, residual blocks (a LayerNorm and a two-layer MLP inside a
+    Sequential, inside the block), and a head. Eleven units of similar size, so a ZeRO-3
+    that never frees holds several times what one that frees does."""
+
+    def __init__(self, n_in=13, dim=23, hidden=41, n_blocks=3, n_out=7):
+        super().__init__()
+        self.stem = nn.Linear(n_in, dim)
+        self.blocks = nn.ModuleList(Residual(dim, hidden) for _ in range(n_blocks))
+        self.head = nn.Linear(dim, n_out)
+
+    def forward(self, x):
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+class Residual(nn.Module):
+    def __init__(self, dim, hidden):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim))
+
+    def forward(self, x):
+        return x + self.mlp(self.norm(x))
+
+
+def build(kind, seed=0):
+    """The model of a kind: "mlp", "edge", "transformer" (zerokit.reference) or "nested"."""
+    if kind == "nested":
+        torch.manual_seed(seed)
+        return NestedNet()
+    return build_model(kind, seed)
+
+
+def batch(kind, step, size):
+    """The global batch of `step`; rank r trains on rows [r*PER_RANK, (r+1)*PER_RANK)."""
+    if kind == "nested":
+        g = torch.Generator().manual_seed(5_000 + step)
+        return torch.randn(size, 13, generator=g), torch.randn(size, 7, generator=g)
+    return global_batch(kind, step, size)
+
+
+def _loss(kind, output, target):
+    return F.mse_loss(output, target) if kind == "nested" else loss_for(kind, output, target)
+
+
+def units_of(model, units):
+    """units=None: the default (every module owning parameters); "blocks": one per block."""
+    if units is None:
+        return None
+    if units == "blocks":
+        return list(model.blocks)
+    raise ValueError(f"units must be None or 'blocks', not {units!r}")
+
+
+def _reference(kind, world_size, steps):
+    """torch.optim.AdamW in one process on the whole batch: per step, the mean gradient
+    (before the step), then the weights and Adam's m and v after it."""
+    model = build(kind)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    opt = torch.optim.AdamW([p for _, p in named], lr=LR, weight_decay=WEIGHT_DECAY, eps=EPS, foreach=False)
+    out = []
+    for step in range(steps):
+        x, y = batch(kind, step, world_size * PER_RANK)
+        _loss(kind, model(x), y).backward()
+        rec = {"grads": {n: p.grad.clone() for n, p in named if p.grad is not None}}
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        rec["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        rec["exp_avg"] = {n: opt.state[p]["exp_avg"].clone() for n, p in named if p in opt.state}
+        rec["exp_avg_sq"] = {n: opt.state[p]["exp_avg_sq"].clone() for n, p in named if p in opt.state}
+        out.append(rec)
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# before the ranks start
+
+
+def _validate(cls, methods, expected_name):
+    """The class is the student's, not zerokit's ZeRO3Adam under another name."""
+    if not isinstance(cls, type):
+        raise AssertionError(f"expected your class ({expected_name}), got {type(cls).__name__}")
+    if issubclass(cls, ZeRO3Adam):
+        raise AssertionError(f"{cls.__name__} subclasses zerokit.ZeRO3Adam, the class this exercise re-implements: "
+                             "build on the scaffold's ShardedParameters (zerokit.ZeRO2Adam underneath) and write "
+                             "the methods yourself")
+    if not issubclass(cls, ZeRO2Adam):
+        raise AssertionError(f"{cls.__name__} does not build on zerokit.ZeRO2Adam: keep the scaffold's base class")
+    for name in methods:
+        mine = getattr(cls, name, None)
+        if mine is None:
+            raise AssertionError(f"{cls.__name__} has no method {name}: keep the scaffold's method names")
+        code = getattr(inspect.unwrap(mine), "__code__", None)
+        for ref_cls in (ZeRO3Adam, ZeRO2Adam):
+            theirs = ref_cls.__dict__.get(name)
+            # unwrap: every @torch.no_grad() method shares the decorator's own code object
+            if theirs is not None and (mine is theirs or code is getattr(inspect.unwrap(theirs), "__code__", 0)):
+                raise AssertionError(f"{cls.__name__}.{name} is zerokit.{ref_cls.__name__}.{name}: write it yourself")
+
+
+def with_reference_mechanics(cls):
+    """cls with zerokit.ZeRO3Adam's _start_gather, _finish_gather and _free (and the helpers
+    they call): the hook checks grade the hooks, and a bug in the mechanics costs
+    check_gather_free only."""
+    names = [n for n in MECHANICS + ("_gather_buffer",) if n in ZeRO3Adam.__dict__]
+    return type(cls.__name__, (cls,), {name: ZeRO3Adam.__dict__[name] for name in names})
+
+
+def _expected_buckets(model, units):
+    """[(parameters, unit module)] in the order ZeRO-3 lays its buckets out: one per unit that
+    owns trainable parameters, the last unit first (as zerokit.zero3 assigns them)."""
+    chosen = units_of(model, units)
+    unit_list = [model] + [m for m in (chosen if chosen is not None else _default_units(model)) if m is not model]
+    unit_of = ZeRO3Adam._assign_parameters(SimpleNamespace(units=unit_list))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    out = []
+    for u in reversed(range(len(unit_list))):
+        mine = [p for p in trainable if unit_of[p] == u]
+        if mine:
+            out.append((mine, unit_list[u]))
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# inside the workers
+
+
+def _setup(rank, world_size, cls, kind, units, prefetch=True, reference_mechanics=True):
+    """The model, the student's optimizer, a name per parameter, the unit of each bucket."""
+    model = build(kind)
+    expected = _expected_buckets(model, units)
+    if reference_mechanics:
+        cls = with_reference_mechanics(cls)
+    opt = cls(model, lr=LR, weight_decay=WEIGHT_DECAY, eps=EPS, units=units_of(model, units), prefetch=prefetch)
+    name_of = {p: n for n, p in model.named_parameters()}
+    got = [[name_of.get(p, "?") for p in b.params] for b in getattr(opt, "buckets", [])]
+    want = [[name_of[p] for p in params] for params, _ in expected]
+    if got != want:
+        raise AssertionError(f"your optimizer's buckets are {got}, expected {want} (one per unit, the last unit "
+                             "first: keep the scaffold's _make_buckets)")
+    return model, opt, name_of, [unit for _, unit in expected]
+
+
+def _label(bucket, name_of):
+    names = [name_of[p] for p in bucket.params]
+    return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+
+
+def _is_shape_error(exc):
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(w in text for w in ("size of tensor", "shape", "mat1", "size mismatch",
+                                                                      "storage of size 0"))
+
+
+def _forward(kind, model, x, y, step):
+    try:
+        return _loss(kind, model(x), y)
+    except RuntimeError as exc:
+        if _is_shape_error(exc):
+            raise AssertionError(f"step {step + 1}: forward failed ({str(exc).splitlines()[0]}): a module ran with "
+                                 "empty parameters: gather each unit in its forward pre-hook (_pre_forward)") from None
+        raise
+
+
+def _backward(loss, step):
+    try:
+        loss.backward()
+    except RuntimeError as exc:
+        if _is_shape_error(exc):
+            raise AssertionError(
+                f"step {step + 1}: backward failed ({str(exc).splitlines()[0]}): autograd found a unit's parameters "
+                "empty; the weights freed after forward must be gathered again before that unit's backward "
+                "(_post_forward registers a multi-grad hook on its outputs that calls _pre_backward)") from None
+        raise
+
+
+def _my_slice(kind, step, world_size, rank):
+    x, y = batch(kind, step, world_size * PER_RANK)
+    return x[rank * PER_RANK:(rank + 1) * PER_RANK], y[rank * PER_RANK:(rank + 1) * PER_RANK]
+
+
+def _full_values(bucket, tensors, world_size, offsets=None):
+    """The full flat buffer of a bucket from full tensors, plus offsets[r] on rank r's shard."""
+    flat = bucket.flatten(tensors)
+    if offsets is not None:
+        s = bucket.shard_numel
+        for r in range(world_size):
+            flat[r * s:(r + 1) * s] += offsets[r]
+    return flat
+
+
+def _mechanics_case(rank, world_size, cls, kind):
+    gc.collect()
+    before = census()["total"]  # everything alive in this process before the model exists
+    model = build(kind)
+    full = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = cls(model, lr=LR)
+    name_of = {p: n for n, p in model.named_parameters()}
+    offsets = [float(r + 1) for r in range(world_size)]
+    for bi, b in enumerate(opt.buckets):
+        label = f"bucket {bi} ({_label(b, name_of)})"
+        truth = _full_values(b, [full[name_of[p]] for p in b.params], world_size)
+        _check_bucket(opt, bi, b, label, truth, name_of, full, offsets, rank, world_size)
+    del full, truth  # the check's own copies
+    gc.collect()
+    shard = sum(b.shard_numel for b in opt.buckets)
+    replicated = sum(t.untyped_storage().nbytes() for t in [*model.buffers(), *model.parameters()]
+                     if not t.requires_grad)  # frozen parameters and buffers are not sharded
+    grown = census()["total"] - before - replicated
+    want = 12 * shard  # the shards (4 Ψ/N) and Adam's m and v (8 Ψ/N)
+    psi = sum(b.numel for b in opt.buckets)
+    if grown > want + max(2048, psi):  # a quarter of a full copy (4 Ψ bytes) or 2 KiB, whichever is more
+        raise AssertionError(
+            f"after every bucket was gathered and freed, this rank holds {grown} bytes of model state; its shards "
+            f"and Adam's m and v are {want}, a full copy of the parameters {4 * psi}: "
+            "something keeps a copy of the gathered weights (a clone, or the buffer in another attribute)")
+    return {"buckets": len(opt.buckets), "psi": psi, "grown": grown, "want": want}
+
+
+def _expect_full(opt, bi, b, what, flat, name_of):
+    for p, want in zip(b.params, b.views(flat)):
+        if tuple(p.shape) != tuple(want.shape):
+            raise AssertionError(f"{what}: {name_of[p]} has shape {tuple(p.shape)}, expected {tuple(want.shape)}: "
+                                 "_finish_gather must make every parameter of the bucket full again "
+                                 "(p.data = a view of the gathered buffer)")
+        assert_close(p.detach(), want, f"{what}: {name_of[p]}", atol=0, rtol=0)
+    full = getattr(opt, "_full", None)
+    buf = full[bi] if isinstance(full, list) and len(full) > bi else None
+    if not isinstance(buf, torch.Tensor) or buf.numel() != b.padded_numel:
+        raise AssertionError(f"{what}: self._full[{bi}] should be the gathered flat buffer ({b.padded_numel} "
+                             f"elements), found {type(buf).__name__}"
+                             + (f" of {buf.numel()} elements" if isinstance(buf, torch.Tensor) else ""))
+    strays = [name_of[p] for p in b.params if p.untyped_storage().data_ptr() != buf.untyped_storage().data_ptr()]
+    if strays:
+        raise AssertionError(f"{what}: {strays[0]} is not a view of self._full[{bi}]: install the parameters as "
+                             "views of the gathered buffer (bucket.views), so that dropping the buffer frees them")
+
+
+def _expect_empty(opt, bi, b, what, name_of):
+    kept = [(name_of[p], p.numel()) for p in b.params if p.numel() != 0]
+    if kept:
+        raise AssertionError(f"{what}: {kept[0][0]} still holds {kept[0][1]} elements: _free must leave every "
+                             "parameter of the bucket empty (p.data = an empty tensor)")
+    full = getattr(opt, "_full", None)
+    if isinstance(full, list) and len(full) > bi and full[bi] is not None:
+        raise AssertionError(f"{what}: self._full[{bi}] still holds the gathered buffer: set it to None")
+    if bi in getattr(opt, "_gathering", {}):
+        raise AssertionError(f"{what}: self._gathering still has an entry for bucket {bi}: _free must wait for "
+                             "an all-gather still in flight (a prefetch nobody used) and drop it")
+
+
+def _check_bucket(opt, bi, b, label, truth, name_of, full, offsets, rank, world_size):
+    _expect_empty(opt, bi, b, f"at rest, {label}", name_of)
+    if opt.flat_params[bi].numel() != b.shard_numel:
+        raise AssertionError(f"at rest, flat_params[{bi}] has {opt.flat_params[bi].numel()} elements, expected "
+                             f"this rank's shard: {b.shard_numel} (keep the scaffold's _install_flat_params)")
+
+    # 1. _finish_gather on its own: one all-gather of the padded bucket, the right values
+    with CommCounter() as comm:
+        opt._finish_gather(bi)
+    calls = [(c.op, c.numel) for c in comm.calls]
+    if calls != [("all_gather", b.padded_numel)]:
+        raise AssertionError(f"_finish_gather({bi}) on an empty {label} made {calls or 'no collective'}; expected "
+                             f"one all-gather of the padded bucket: [('all_gather', {b.padded_numel})]")
+    _expect_full(opt, bi, b, f"after _finish_gather({bi}) of {label}", truth, name_of)
+    with CommCounter() as comm:
+        opt._finish_gather(bi)
+    if comm.calls:
+        raise AssertionError(f"_finish_gather({bi}) on a bucket that is already full made {len(comm.calls)} "
+                             "collective(s): a unit that is already gathered must not be gathered again")
+    # what autograd keeps for backward: a view of the gathered buffer (a linear layer saves weight.t())
+    saved_view = opt._full[bi][:b.numel]
+    opt._free(bi)
+    _expect_empty(opt, bi, b, f"after _free({bi}) of {label}", name_of)
+    if saved_view.untyped_storage().nbytes() != 0:
+        raise AssertionError(
+            f"after _free({bi}) of {label}, a view of the gathered buffer taken before (as autograd keeps one "
+            f"for backward) still has {saved_view.untyped_storage().nbytes()} bytes behind it: dropping your "
+            "references does not free memory that autograd's saved views share; release it in place, "
+            "self._full[bi].untyped_storage().resize_(0)")
+
+    # 2. a prefetch: _start_gather twice, then _finish_gather, is one all-gather
+    with CommCounter() as comm:
+        opt._start_gather(bi)
+        opt._start_gather(bi)
+        pending = getattr(opt, "_gathering", {}).get(bi)
+        started_full = [name_of[p] for p in b.params if p.numel() != 0]
+        opt._finish_gather(bi)
+    if comm.count("all_gather") != 1:
+        raise AssertionError(f"_start_gather({bi}) twice and then _finish_gather({bi}) made "
+                             f"{comm.count('all_gather')} all-gathers of {label}; expected 1: a bucket whose gather is "
+                             "in flight (in self._gathering) must not be gathered again, and _finish_gather must "
+                             "wait for that transfer instead of starting another")
+    if not (isinstance(pending, tuple) and len(pending) == 3 and hasattr(pending[0], "wait")):
+        raise AssertionError(f"after _start_gather({bi}), self._gathering[{bi}] is {type(pending).__name__}: start "
+                             "the all-gather with async_op=True and keep (work, full buffer, shard) there, for "
+                             "_finish_gather to wait on")
+    if started_full:
+        raise AssertionError(f"right after _start_gather({bi}), {started_full[0]} is already full: _start_gather "
+                             "only starts the transfer (it may still be in flight); _finish_gather waits for it "
+                             "and installs the parameters")
+    _expect_full(opt, bi, b, f"after _start_gather({bi}) and _finish_gather({bi}) of {label}", truth, name_of)
+    if saved_view.untyped_storage().nbytes() == 0:
+        raise AssertionError(
+            f"after _free({bi}) and a new gather of {label}, a view of the buffer taken before _free (as autograd "
+            "keeps one for backward) still has no memory behind it: backward would fail on it. Gather into the "
+            "same buffer every time (self._gather_buffer(bi, shard)), re-allocated, not into a new tensor")
+    assert_close(saved_view, truth[:b.numel], f"a view of {label}'s gathered buffer taken before _free, after the "
+                 "next gather (autograd's saved views must see the weights again)", atol=0, rtol=0)
+    opt._free(bi)
+
+    # 3. a prefetch nobody used: _start_gather, then _free
+    opt._start_gather(bi)
+    opt._free(bi)
+    _expect_empty(opt, bi, b, f"after _start_gather({bi}) and then _free({bi}) (a prefetch nobody used)", name_of)
+
+    # 4. the gather reads every rank's current shard: step() updates them in place
+    with torch.no_grad():
+        opt.flat_params[bi].add_(offsets[rank])
+    opt._finish_gather(bi)
+    moved = _full_values(b, [full[name_of[p]] for p in b.params], world_size, offsets)
+    _expect_full(opt, bi, b, f"after each rank r added r + 1 to its shard (flat_params[{bi}]) and {label} was "
+                 "gathered again (each rank's current shard, in its place; never a cached copy)", moved, name_of)
+    opt._free(bi)
+    with torch.no_grad():
+        opt.flat_params[bi].sub_(offsets[rank])
+
+
+def _numerics_case(rank, world_size, cls, kind, units, ref):
+    model, opt, name_of, _ = _setup(rank, world_size, cls, kind, units)
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    for step, want in enumerate(ref):
+        x, y = _my_slice(kind, step, world_size, rank)
+        _backward(_forward(kind, model, x, y, step), step)
+        for bi, b in enumerate(opt.buckets):
+            expected = b.shard_of([want["grads"].get(name_of[p]) for p in b.params])
+            g = opt.grad_shards[bi]
+            assert_close(expected if g is None and not expected.any() else g, expected,
+                         f"step {step + 1}: this rank's shard of the mean gradient of bucket {bi} "
+                         f"({_label(b, name_of)})", atol=1e-6, rtol=1e-4)
+        opt.step()
+        opt.zero_grad()
+        kept = [(n, p.numel()) for n, p in trainable if p.numel() != 0]
+        if kept:
+            raise AssertionError(f"after step {step + 1}, {kept[0][0]} holds {kept[0][1]} elements: between steps "
+                                 "every parameter must be empty, only this rank's shard kept")
+        with opt.gathered():
+            for name, p in model.named_parameters():
+                assert_close(p.detach(), want["params"][name], f"step {step + 1}: parameter {name} after the step")
+        for bi, (b, st) in enumerate(zip(opt.buckets, opt.shards)):
+            label = f"bucket {bi} ({_label(b, name_of)})"
+            assert_close(st.exp_avg, b.shard_of([want["exp_avg"].get(name_of[p]) for p in b.params]),
+                         f"step {step + 1}: Adam's m for this rank's shard of {label}", atol=1e-6, rtol=1e-4)
+            assert_close(st.exp_avg_sq, b.shard_of([want["exp_avg_sq"].get(name_of[p]) for p in b.params]),
+                         f"step {step + 1}: Adam's v for this rank's shard of {label}", atol=1e-10, rtol=1e-3)
+    return True
+
+
+def live_parameter_bytes(model, opt):
+    """Bytes of the distinct storages behind the parameters now: installed full parameters,
+    the shards, and the gathered or in-flight buffers the optimizer holds."""
+    tensors = [p for p in model.parameters() if p.requires_grad and p.numel()]
+    tensors += list(getattr(opt, "flat_params", []))
+    tensors += [t for t in getattr(opt, "_full", []) if isinstance(t, torch.Tensor)]
+    tensors += [v[1] for v in getattr(opt, "_gathering", {}).values()
+                if isinstance(v, tuple) and len(v) > 1 and isinstance(v[1], torch.Tensor)]
+    sizes = {}
+    for t in tensors:
+        s = t.untyped_storage()
+        if s.nbytes():
+            sizes[s.data_ptr()] = max(sizes.get(s.data_ptr(), 0), s.nbytes())
+    return sum(sizes.values())
+
+
+def _module_name(model, module):
+    name = next(n for n, m in model.named_modules() if m is module)
+    return name or "the model (root unit)"
+
+
+def _memory_case(rank, world_size, cls, kind, units, steps):
+    gc.collect()
+    before = census()["total"]  # everything alive in this process before the model exists
+    model, opt, name_of, unit_of_bucket = _setup(rank, world_size, cls, kind, units)
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    buckets = opt.buckets
+    psi = sum(b.numel for b in buckets)
+    problems = []  # the first violation seen inside a hook, raised once autograd is done
+    peak = {"forward": 0, "backward": 0}
+    phase = ["forward"]
+
+    def sample():
+        peak[phase[0]] = max(peak[phase[0]], live_parameter_bytes(model, opt))
+
+    handles = []
+    for b, unit in zip(buckets, unit_of_bucket):
+        mname, is_root = _module_name(model, unit), unit is model
+
+        def pre(module, args, b=b, mname=mname):
+            empty = [name_of[p] for p in b.params if p.numel() == 0]
+            if empty and not problems:
+                problems.append(f"when {mname}'s forward began, {empty[0]} was empty: gather a unit's parameters "
+                                "in its forward pre-hook")
+            sample()
+
+        def post(module, args, output, b=b, mname=mname, is_root=is_root):
+            sample()
+            kept = [name_of[p] for p in b.params if p.numel() != 0]
+            if kept and not is_root and not problems:
+                problems.append(f"right after {mname}'s forward, {kept[0]} still held its full weights: free each "
+                                "unit's parameters in its forward post-hook (only the root unit stays gathered "
+                                "until backward ends)")
+
+        # registered after the optimizer's hooks, so they run after them and see their work
+        handles += [unit.register_forward_pre_hook(pre), unit.register_forward_hook(post)]
+    arrived = set()
+
+    def on_grad(param):
+        arrived.add(param)
+        due = 0  # ZeRO-2 sends buckets in order: buckets 0..due-1 are complete, hence sent
+        while due < len(buckets) and all(p in arrived for p in buckets[due].params):
+            due += 1
+        for bi in range(due):
+            kept = [name_of[p] for p in buckets[bi].params if p.numel() != 0]
+            if kept and not problems:
+                problems.append(f"in backward, once every gradient of bucket {bi} ({_label(buckets[bi], name_of)}) "
+                                f"had arrived and been reduce-scattered, {kept[0]} still held its full weights: "
+                                "free a unit's parameters as soon as its gradients are sent (_send)")
+        sample()
+
+    handles += [p.register_post_accumulate_grad_hook(on_grad) for _, p in trainable]
+    for step in range(steps):
+        x, y = _my_slice(kind, step, world_size, rank)
+        phase[0] = "forward"
+        loss = _forward(kind, model, x, y, step)
+        arrived.clear()
+        phase[0] = "backward"
+        _backward(loss, step)
+        if problems:
+            raise AssertionError(f"step {step + 1}: {problems[0]}")
+        opt.step()
+        opt.zero_grad()
+        del loss, x, y
+        kept = [(n, p.numel()) for n, p in trainable if p.numel() != 0]
+        if kept:
+            raise AssertionError(f"after step {step + 1}, {kept[0][0]} holds {kept[0][1]} elements: between steps "
+                                 "every parameter must be empty, only this rank's shard kept")
+    for h in handles:
+        h.remove()
+    gc.collect()
+    at_rest = census(model, opt)
+    shard = sum(b.shard_numel for b in buckets)
+    frozen = sum(p.untyped_storage().nbytes() for p in model.parameters() if not p.requires_grad)
+    buffers = sum(t.untyped_storage().nbytes() for t in model.buffers())
+    params_at_rest = at_rest["parameters"] - frozen  # frozen parameters are replicated, not model state
+    grown = at_rest["total"] - before - frozen - buffers  # model state now in this process
+    want = 12 * shard  # the shards (4 Ψ/N) and Adam's m and v (8 Ψ/N)
+    # slack: a quarter of a full copy (4 Ψ bytes) or 2 KiB; a correct rank holds exactly `want`
+    if params_at_rest > 4 * shard + 1024 or grown > want + max(2048, psi):
+        raise AssertionError(
+            f"between steps this rank holds {params_at_rest} bytes of parameters and {grown} bytes of model "
+            f"state in all; its parameter shards are {4 * shard} bytes (Ψ/N = {psi}/{world_size} elements x 4), "
+            f"{want} with Adam's m and v; a full copy of the parameters is {4 * psi}: something keeps full-size "
+            "buffers alive")
+    others_numel = sorted((b.padded_numel for b, u in zip(buckets, unit_of_bucket) if u is not model), reverse=True)
+    root_numel = sum(b.padded_numel for b, u in zip(buckets, unit_of_bucket) if u is model)
+    bound = 4 * (shard + sum(others_numel[:2]) + root_numel)
+    if peak["forward"] > bound:
+        raise AssertionError(
+            f"inside forward this rank held up to {peak['forward']} bytes of parameters; a unit's forward needs its "
+            f"own weights and at most the next unit's (prefetch) beside the shards and the root unit: {bound} bytes "
+            f"here; a full copy is {4 * psi}: units are gathered and not freed")
+    return {"psi": psi, "shard_bytes": 4 * shard, "grown": grown, "params_at_rest": params_at_rest,
+            "peak_forward": peak["forward"], "peak_backward": peak["backward"], "bound": bound}
+
+
+def _comm_case(rank, world_size, cls, kind, units, steps):
+    out = {}
+    for prefetch in (True, False):
+        model, opt, name_of, unit_of_bucket = _setup(rank, world_size, cls, kind, units, prefetch=prefetch)
+        buckets = opt.buckets
+        names = [_module_name(model, u) for u in unit_of_bucket]
+        counter = [None]
+        events = []  # (phase, bucket, all-gathers issued in this phase before the unit's own hook ran)
+
+        def pre(module, args, bi):
+            events.append(("forward", bi, counter[0].count("all_gather")))
+
+        def ready(bi, opt=opt):
+            """Bucket bi full, or its all-gather issued (in self._gathering, the reference's
+            bookkeeping: the hook checks run with zerokit's mechanics)."""
+            return bi in opt._gathering or all(p.numel() != 0 for p in opt.buckets[bi].params)
+
+        def post(module, args, output, bi):
+            tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            if tensors:
+                register_multi_grad_hook(
+                    tensors, lambda grad, bi=bi: events.append(("backward", bi, ready(bi))), mode="any")
+
+        handles = []
+        for bi, unit in enumerate(unit_of_bucket):
+            # prepended: they run before the optimizer's hooks (and their multi-grad hooks fire
+            # before its pre-backward), so they see what was issued *before* the unit's turn
+            handles += [unit.register_forward_pre_hook(lambda m, a, bi=bi: pre(m, a, bi), prepend=True),
+                        unit.register_forward_hook(lambda m, a, o, bi=bi: post(m, a, o, bi), prepend=True)]
+        rows = []
+        for step in range(steps):
+            x, y = _my_slice(kind, step, world_size, rank)
+            events.clear()
+            with CommCounter() as fwd:
+                counter[0] = fwd
+                loss = _forward(kind, model, x, y, step)
+            with CommCounter() as bwd:
+                counter[0] = bwd
+                _backward(loss, step)
+            with CommCounter() as stp:
+                opt.step()
+                opt.zero_grad()
+            _check_traffic(step, fwd, bwd, buckets, events, names, prefetch, model, unit_of_bucket)
+            total = {op: fwd.volume(op) + bwd.volume(op) + stp.volume(op)
+                     for op in ("all_gather", "reduce_scatter", "all_reduce")}
+            rows.append({"forward": fwd.table(), "backward": bwd.table(), "step": stp.table(), "total": total})
+        for h in handles:
+            h.remove()
+        out[prefetch] = {"rows": rows, "psi": sum(b.numel for b in buckets),
+                         "padded": sum(b.padded_numel for b in buckets)}
+    return out
+
+
+def _check_traffic(step, fwd, bwd, buckets, events, names, prefetch, model, unit_of_bucket):
+    ran = sorted({bi for phase, bi, _ in events if phase == "forward"})
+    for where, c in (("forward", fwd), ("backward", bwd)):
+        odd = [op for op in ("all_reduce", "broadcast", "reduce", "gather", "scatter") if c.count(op)]
+        if odd:
+            raise AssertionError(f"step {step + 1}: {where} made {' + '.join(odd)}: ZeRO-3 needs all-gathers of "
+                                 "the parameters and reduce-scatters of the gradients only")
+    gathers = fwd.count("all_gather") + bwd.count("all_gather")
+    volume = fwd.volume("all_gather") + bwd.volume("all_gather")
+    volume_limit = 2 * sum(buckets[bi].padded_numel for bi in ran)
+    if gathers > 2 * len(ran) or volume > volume_limit:
+        raise AssertionError(
+            f"step {step + 1}: {gathers} all-gathers ({fwd.count('all_gather')} in forward, {bwd.count('all_gather')} "
+            f"in backward) moving {volume} elements, for {len(ran)} units that ran: at most two per unit (before its "
+            f"forward, before its backward), {volume_limit} elements; a unit already gathered, or whose gather is "
+            "in flight, must not be gathered again, and a prefetch must be of the unit that runs next")
+    if bwd.count("reduce_scatter") != len(buckets):
+        raise AssertionError(f"step {step + 1}: backward made {bwd.count('reduce_scatter')} reduce-scatters; "
+                             f"expected one per bucket ({len(buckets)}): _send must call ZeRO-2's _send (super)")
+    # the k-th unit to run was prefetched if its all-gather was issued before its own pre-hook
+    for k, (bi, c) in enumerate((bi, c) for phase, bi, c in events if phase == "forward"):
+        if prefetch and step > 0 and k > 0 and c < k + 1:
+            raise AssertionError(
+                f"step {step + 1}: when {names[bi]}'s forward was about to begin, its all-gather had not been issued "
+                f"({c} in this forward, for the {k} unit(s) before it): with prefetch, each unit's gather starts "
+                "while the unit before it computes (in _gather_unit, before waiting for the current unit's)")
+        if not prefetch and c != k:
+            raise AssertionError(
+                f"step {step + 1}, prefetch=False: when {names[bi]}'s forward was about to begin, {c} all-gather(s) "
+                f"had been issued in this forward, expected {k} (one per unit before it): without prefetch nothing "
+                "is gathered ahead")
+    if prefetch:
+        # in backward, by state rather than by count: a unit never freed needs no gather
+        seen = []
+        for phase, bi, is_ready in events:
+            if phase != "backward" or unit_of_bucket[bi] is model or bi in seen:
+                continue
+            seen.append(bi)
+            if len(seen) > 1 and not is_ready:
+                raise AssertionError(
+                    f"step {step + 1}: when {names[bi]}'s backward was about to begin, its parameters were empty "
+                    "and no all-gather of them had been issued: with prefetch, the unit whose backward comes next "
+                    "(the one before it in forward order) is gathered while the current one computes")
+
+
+# ---------------------------------------------------------------------------------------
+# in the notebook
+
+
+def check_gather_free(cls, world_size=2, kind="mlp", timeout=60.0):
+    """ShardedParameters' mechanics, bucket by bucket: _finish_gather makes one all-gather and
+    installs every rank's current shard in place, as views of self._full[bi]; _start_gather
+    starts it asynchronously and is not repeated; _free empties the parameters, releases the
+    buffer's memory in place (a view taken before, as autograd keeps, has no bytes left) and
+    waits for a prefetch nobody used; the next gather refills that same storage; and no copy
+    of the gathered weights survives."""
+    __tracebackhide__ = True
+    _validate(cls, MECHANICS, "ShardedParameters")
+    res = run_on_ranks(_mechanics_case, world_size, args=(cls, kind), what=f"{cls.__name__} on {kind}",
+                       timeout=timeout)
+    passed(f"{cls.__name__} gathers and frees correctly on {world_size} ranks ({kind}, {res[0]['buckets']} buckets): "
+           "one all-gather per gather, prefetches not repeated, every rank's current shard in place, the buffer's "
+           "memory released by _free (under autograd's saved views too) and refilled by the next gather")
+
+
+def _hooks_run(case, cls, world_size, args, what, timeout):
+    __tracebackhide__ = True
+    _validate(cls, HOOKS, "MyZeRO3Adam")
+    return run_on_ranks(case, world_size, args=(cls, *args), what=what, timeout=timeout)
+
+
+def check_matches_adamw(cls, world_size=2, kind="mlp", units=None, steps=4, timeout=60.0):
+    """Every step, each rank on its own data: the gradient shards, the weights (gathered) and
+    Adam's m and v shards equal one process running torch.optim.AdamW on the whole batch."""
+    __tracebackhide__ = True
+    ref = _reference(kind, world_size, steps)
+    _hooks_run(_numerics_case, cls, world_size, (kind, units, ref), f"{cls.__name__} on {kind}", timeout)
+    how = "" if units is None else f", units={units}"
+    passed(f"{cls.__name__} matches torch.optim.AdamW on {world_size} ranks ({kind}{how}): gradient shards, weights "
+           f"and Adam's m, v after each of {steps} steps, every parameter empty between steps")
+
+
+def check_parameters_sharded(cls, world_size=2, kind="nested", units=None, steps=2, timeout=60.0):
+    """Parameters 1/N per rank: empty between steps, model state at rest ~ 12Ψ/N bytes,
+    each unit full for its forward and freed right after, freed in backward once its
+    gradients are sent, and the peak of live parameter bytes in forward far below Ψ."""
+    __tracebackhide__ = True
+    res = _hooks_run(_memory_case, cls, world_size, (kind, units, steps), f"{cls.__name__} on {kind}", timeout)
+    r = res[0]
+    passed(f"{cls.__name__} keeps parameters sharded on {world_size} ranks ({kind}, Ψ = {r['psi']}): between steps "
+           f"{r['params_at_rest']} bytes of parameters per rank (its shards: 4Ψ/N = {r['shard_bytes']}); inside "
+           f"forward at most {r['peak_forward'] - r['shard_bytes']} bytes gathered beside them (a full copy would be "
+           f"{4 * r['psi']}); each unit freed after its forward and once its gradients are sent")
+
+
+def check_communication(cls, world_size=2, kind="mlp", units=None, steps=2, timeout=60.0):
+    """Per step: at most two all-gathers per unit, one reduce-scatter per bucket, no
+    all-reduce in forward or backward: ≤ 3Ψ (1.5x data parallel). Prefetch: the next unit's
+    all-gather is issued before the current unit computes, in forward and in backward;
+    none ahead with prefetch=False."""
+    __tracebackhide__ = True
+    res = _hooks_run(_comm_case, cls, world_size, (kind, units, steps), f"{cls.__name__} on {kind}", timeout)
+    r = res[0][True]
+    last = r["rows"][-1]["total"]
+    moved = last["all_gather"] + last["reduce_scatter"]
+    passed(f"{cls.__name__} communicates {last['all_gather']} (all-gather) + {last['reduce_scatter']} "
+           f"(reduce-scatter) = {moved / r['psi']:.2f}Ψ per step on {world_size} ranks ({kind}, Ψ = {r['psi']}; "
+           f"data parallel: 2Ψ), and prefetches the next unit in forward and backward")
