@@ -56,4 +56,4 @@ bench: setup
 	$(BIN)/python -m zerokit.bench
 
 clean:
-	rm -rf $(VENV) .pytest_cache gradebook.db autograded feedback bench-results
+	rm -rf $(VENV) .pytest_cache gradebook.db autograded feedback release grades.csv bench-results

@@ -69,7 +69,7 @@ STUDENT = notebook_code("lessons")
 Solution = SOLUTION.MyDistributedAdam
 average = SOLUTION.average_gradients
 
-UNFINISHED = ("NotImplementedError", "IndexError")  # see tests/test_grading_lesson03.py
+UNFINISHED = ("NotImplementedError",)  # the released stubs raise it; the reason must say so
 
 CHECKS = {
     "numerics": lambda cls: lesson02.check_ddp_numerics(cls, world_size=2, model="mlp"),

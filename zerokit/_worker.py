@@ -122,6 +122,10 @@ def main(run_dir):
             # ranks; this one is the backstop if the launching process is gone.
             timeout=timedelta(seconds=(timeout + 30) if timeout else 300),
         )
+        # Every rank has joined before any runs fn: otherwise a rank whose fn makes no
+        # collective call can finish and tear the group down while another is still joining,
+        # and that rank then reports a hang in init_process_group (seen once in 12 runs).
+        dist.barrier()
         value = spec["fn"](rank, world_size, *spec["args"])
         result = ("ok", _to_cpu(value))
         ok = True

@@ -218,7 +218,15 @@ def launch(
     if outcome == "error":
         vanished = [r for r in ranks if not r.result]
         errs = [r for r in ranks if r.result and r.result[0] == "error"]
-        if not (vanished and all(_is_comm_failure(r.result[1]) for r in errs)):
+        returned = [r.rank for r in ranks if r.result and r.result[0] == "ok"]
+        only_comm = all(_is_comm_failure(r.result[1]) for r in errs)
+        if only_comm and returned and not vanished:
+            # a collective some ranks never called: the peers that returned closed the connection
+            failures = {r.rank: (f"was waiting in {_where(r.result[1])} when rank(s) {returned} had already "
+                                 "returned: every rank must call the same collectives in the same order")
+                        for r in errs}
+            raise LaunchError(_summary("deadlocked", failures, world_size), failures, outputs)
+        if not (vanished and only_comm):
             _raise_rank_error(ranks, world_size, outputs)
         # only transport errors, and a rank is gone: the vanished rank is the cause
     if outcome == "timeout":
@@ -455,7 +463,7 @@ def _raise_rank_error(ranks, world_size, outputs):
     info = first.result[1]
     exc = info.get("exception")
     if exc is None:
-        exc = RuntimeError(f"{info['type']}: {info['message']}")
+        exc = RuntimeError(_one_line(info["type"], info["message"]))
     note = f"raised on rank {first.rank} of {world_size}"
     if info.get("where"):
         note += f", {info['where']}"
@@ -468,10 +476,25 @@ def _raise_rank_error(ranks, world_size, outputs):
     # Ranks that failed only because a peer went away add noise, not information.
     others = [r for r in errs if r is not first and not _is_comm_failure(r.result[1])]
     for r in others:
-        exc.add_note(f"rank {r.rank} also raised {r.result[1]['type']}: {r.result[1]['message'].splitlines()[0][:200]}")
+        exc.add_note(f"rank {r.rank} also raised {_one_line(r.result[1]['type'], r.result[1]['message'])}")
     exc.rank = first.rank
     exc.outputs = outputs
     raise exc from RemoteTraceback(f"\n\nTraceback on rank {first.rank}:\n{info['traceback']}")
+
+
+def _where(info):
+    """'torch.distributed.barrier (your cell, line 10, in f)' from a worker's error info."""
+    if not info.get("collective"):
+        return "a collective"
+    where = info.get("where", "")
+    user = where[where.index("("):] if "(" in where else ""
+    return f"torch.distributed.{info['collective']} {user}".rstrip()
+
+
+def _one_line(type_name, message):
+    # `raise NotImplementedError()` has no message at all: the type alone must do
+    first = next((line.strip() for line in str(message).splitlines() if line.strip()), "")
+    return f"{type_name}: {first[:200]}" if first else type_name
 
 
 def _is_comm_failure(info):

@@ -1,0 +1,123 @@
+"""Example submissions for the grading flow, generated from lessons/ at test time.
+
+Each lesson's module here (lesson00.py, ...) lists its example students: the student id
+names the defect, and each student is the released notebook (lessons/<lesson>/) with a few
+cells replaced, inserted or deleted, plus the score each test cell must get and a fragment
+of the one-line reason the feedback must show. Generating them from lessons/ means they
+can never drift from what students actually receive.
+
+    python -m tests.submissions DEST [LESSON ...]     # write DEST/<student>/<lesson>/<lesson>.ipynb
+    make grade SUBMISSIONS=DEST                        # then grade them
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SOLUTION = object()  # stands for "the instructor's solution of this cell" (from solutions/)
+
+
+def solution_with(old, new):
+    """A cell's source: the instructor's solution with `old` replaced by `new` (one planted bug)."""
+    def edit(solution):
+        if old not in solution:
+            raise KeyError(f"the solution no longer contains {old!r}: update this example student")
+        return solution.replace(old, new)
+
+    return edit
+
+
+@dataclass
+class Student:
+    """One example submission: the released notebook with `cells` edited; what it must score."""
+
+    id: str
+    defect: str  # one line, for the table in the report
+    expected: dict  # grade_id -> points this submission must get
+    reason: str = ""  # a fragment of the one-line reason every failed test cell must show
+    cells: dict = field(default_factory=dict)  # grade_id -> new source, SOLUTION, or solution_with(...)
+    before: dict = field(default_factory=dict)  # grade_id -> source of a new cell inserted before it
+    delete: tuple = ()  # grade_ids of cells removed
+    raw: str | None = None  # the file's whole content instead of a notebook
+    full: bool = False  # keep every cell; otherwise only the lesson's KEEP cells besides graded ones
+
+
+def lesson_modules():
+    """{lesson id: module} for each lesson with example students here and a notebook in lessons/."""
+    found = {}
+    for path in sorted(Path(__file__).parent.glob("lesson[0-9]*.py")):
+        mod = importlib.import_module(f"{__name__}.{path.stem}")
+        if (ROOT / "lessons" / mod.LESSON / f"{mod.LESSON}.ipynb").exists():
+            found[mod.LESSON] = mod
+    return found
+
+
+def _solution_sources(lesson):
+    """grade_id -> the solution cell's code with the BEGIN/END SOLUTION markers removed."""
+    nb = json.loads((ROOT / "solutions" / lesson / f"{lesson}.ipynb").read_text())
+    out = {}
+    for cell in nb["cells"]:
+        meta = cell.get("metadata", {}).get("nbgrader", {})
+        if meta.get("solution") and meta.get("grade_id"):
+            src = "".join(cell["source"])
+            out[meta["grade_id"]] = re.sub(r"^[ \t]*### (BEGIN|END) SOLUTION[ \t]*\n", "", src, flags=re.M)
+    return out
+
+
+def _code_cell(source):
+    return {"cell_type": "code", "execution_count": None, "metadata": {}, "outputs": [],
+            "source": source.splitlines(keepends=True)}
+
+
+def notebook(lesson, student, keep=()):
+    """The submission of `student` for `lesson`, as a notebook dict."""
+    nb = json.loads((ROOT / "lessons" / lesson / f"{lesson}.ipynb").read_text())
+    solutions = _solution_sources(lesson)
+    unknown = (set(student.cells) | set(student.before) | set(student.delete)) - {
+        c.get("metadata", {}).get("nbgrader", {}).get("grade_id") for c in nb["cells"]}
+    if unknown:
+        raise KeyError(f"{student.id}: no cell {sorted(unknown)} in lessons/{lesson}")
+    cells = []
+    for cell in nb["cells"]:
+        gid = cell.get("metadata", {}).get("nbgrader", {}).get("grade_id")
+        source = "".join(cell["source"])
+        if gid is None and cell["cell_type"] == "code" and not student.full and not any(k in source for k in keep):
+            continue  # a demo cell the exercises do not need: leave it out to grade faster
+        if gid in student.delete:
+            continue
+        if gid in student.before:
+            cells.append(_code_cell(student.before[gid]))
+        if gid in student.cells:
+            new = student.cells[gid]
+            cell = copy.deepcopy(cell)
+            if new is SOLUTION:
+                new = solutions[gid]
+            elif callable(new):
+                new = new(solutions[gid])
+            cell["source"] = new.splitlines(keepends=True)
+        cells.append(cell)
+    nb["cells"] = cells
+    return nb
+
+
+def build(dest, lessons=None):
+    """Write DEST/<student>/<lesson>/<lesson>.ipynb for every example student; return {lesson: [Student]}."""
+    built = {}
+    for lesson, mod in lesson_modules().items():
+        if lessons and lesson not in lessons:
+            continue
+        for student in mod.STUDENTS:
+            path = Path(dest) / student.id / lesson / f"{lesson}.ipynb"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if student.raw is not None:
+                path.write_text(student.raw)
+            else:
+                path.write_text(json.dumps(notebook(lesson, student, mod.KEEP), indent=1, ensure_ascii=False) + "\n")
+        built[lesson] = list(mod.STUDENTS)
+    return built

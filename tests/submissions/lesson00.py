@@ -1,0 +1,92 @@
+"""Example students for lesson 00 (my_all_reduce): one defect each, named by the student id.
+
+Points: test_my_all_reduce 3, test_same_volume 2. A defect that breaks only the sum (not the
+volume) must cost only test_my_all_reduce's 3 points.
+"""
+
+from . import SOLUTION, Student
+
+LESSON = "00_collectives"
+# The demo cells the exercises need (imports, the launcher choice); the rest are left out
+# of the lean examples so the set grades quickly. `correct` keeps every cell.
+KEEP = ("import zerokit", 'os.environ["ZEROKIT_LAUNCHER"]')
+
+FULL = {"test_my_all_reduce": 3, "test_same_volume": 2}
+ZERO = {"test_my_all_reduce": 0, "test_same_volume": 0}
+VOLUME_ONLY = {"test_my_all_reduce": 0, "test_same_volume": 2}
+
+HEAD = '''def my_all_reduce(tensor):
+    """Sum `tensor` over all ranks with a reduce-scatter and an all-gather; return the sum."""
+    n = dist.get_world_size()
+    numel = tensor.numel()
+    chunk = -(-numel // n)
+    padded = torch.zeros(chunk * n, dtype=tensor.dtype, device=tensor.device)
+    padded[:numel] = tensor
+    mine = torch.empty(chunk, dtype=tensor.dtype, device=tensor.device)
+'''
+RS_AG = '''    dist.reduce_scatter_single(mine, padded)
+    dist.all_gather_single(padded, mine)
+'''
+RETURN = "    return padded[:numel].clone()\n"
+
+# Right collectives, right volume, wrong values: the mean instead of the sum.
+MEAN = HEAD + RS_AG + "    return padded[:numel] / n  # BUG: the mean, not the sum\n"
+
+STUDENTS = [
+    Student("correct", "the instructor's solution, every cell of the notebook kept", FULL,
+            cells={"my_all_reduce": SOLUTION}, full=True),
+    Student("untouched", "the released notebook, nothing filled in", ZERO,
+            reason="your code raised NotImplementedError (is the exercise still the stub"),
+    Student("deadlock", "rank 0 waits at a barrier no other rank reaches", ZERO,
+            reason="rank 0: never finished: inside torch.distributed.barrier",
+            cells={"my_all_reduce": HEAD + "    if dist.get_rank() == 0:\n        dist.barrier()  # BUG\n"
+                   + RS_AG + RETURN}),
+    Student("raises_on_one_rank", "raises ValueError on the last rank only", ZERO,
+            reason="your code raised ValueError: the last rank's chunk is short",
+            cells={"my_all_reduce": HEAD + "    if dist.get_rank() == n - 1:\n"
+                   "        raise ValueError(\"the last rank's chunk is short\")  # BUG\n" + RS_AG + RETURN}),
+    Student("crash_os_exit", "rank 1 calls os._exit(3)", ZERO,
+            reason="failed on 1 of 2 ranks: rank 1: exited without returning (exit code 3)",
+            cells={"my_all_reduce": "import os\n\n" + HEAD + "    if dist.get_rank() == 1:\n"
+                   "        os._exit(3)  # BUG\n" + RS_AG + RETURN}),
+    Student("runaway_memory", "rank 1 keeps allocating until the check stops it", ZERO,
+            reason="out of memory on 1 of 2 ranks: rank 1: used",
+            cells={"my_all_reduce": HEAD + "    copies = []\n    while dist.get_rank() == 1:  # BUG\n"
+                   "        copies.append(torch.ones(2**25))\n" + RS_AG + RETURN}),
+    Student("kernel_memory", "a cell of the notebook allocates without bound: the kernel is killed", ZERO,
+            reason="not run: the kernel died in an earlier cell: the kernel (the Python process running your "
+                   "notebook) used",
+            cells={"my_all_reduce": SOLUTION},
+            before={"test_my_all_reduce": "hoard = []\nwhile True:\n    hoard.append(torch.ones(2**25))\n"}),
+    Student("endless_cell", "a cell of the notebook loops forever (the exercise is right)", FULL,
+            cells={"my_all_reduce": SOLUTION}, before={"test_my_all_reduce": "while True:\n    pass\n"}),
+    Student("misnamed", "defines my_allreduce instead of my_all_reduce", ZERO,
+            reason="name 'my_all_reduce' is not defined",
+            cells={"my_all_reduce": (HEAD + RS_AG + RETURN).replace("def my_all_reduce", "def my_allreduce")}),
+    Student("wrong_signature", "my_all_reduce(tensor, world_size)", ZERO,
+            reason="missing 1 required positional argument: 'world_size'",
+            cells={"my_all_reduce": (HEAD + RS_AG + RETURN).replace("(tensor):", "(tensor, world_size):")}),
+    Student("syntax_error", "a missing colon", ZERO,
+            reason="name 'my_all_reduce' is not defined",
+            cells={"my_all_reduce": (HEAD + RS_AG + RETURN).replace("(tensor):", "(tensor)")}),
+    Student("deleted_test_cell", "sums wrong, and deleted the test cell", VOLUME_ONLY,
+            reason="differs on rank",
+            cells={"my_all_reduce": MEAN}, delete=("test_my_all_reduce",)),
+    Student("patched_checks", "sums wrong, and replaces lesson00.check_all_reduce, torch.testing.assert_close "
+            "and torch.allclose in the notebook", VOLUME_ONLY, reason="differs on rank",
+            cells={"my_all_reduce": MEAN},
+            before={"test_my_all_reduce": "from zerokit.grading import lesson00\n"
+                    "lesson00.check_all_reduce = lambda *args, **kwargs: None\n"
+                    "torch.testing.assert_close = lambda *args, **kwargs: None\n"
+                    "torch.allclose = lambda *args, **kwargs: True\n"}),
+    Student("patched_torch_on_ranks", "sums right, but replaces torch.allclose inside my_all_reduce", ZERO,
+            reason="your code replaced torch.allclose",
+            cells={"my_all_reduce": HEAD + "    torch.allclose = lambda *args, **kwargs: True  # BUG\n"
+                   + RS_AG + RETURN}),
+    Student("uses_all_reduce", "right result from dist.all_reduce, not reduce-scatter + all-gather", VOLUME_ONLY,
+            reason="your function called dist.all_reduce",
+            cells={"my_all_reduce": "def my_all_reduce(tensor):\n    out = tensor.clone()\n"
+                   "    dist.all_reduce(out)\n    return out\n"}),
+    Student("corrupt_file", "the .ipynb is not valid JSON", ZERO,
+            reason="the file is not a notebook (not valid JSON)", raw='{"cells": [ this is not JSON\n'),
+]

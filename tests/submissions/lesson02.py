@@ -1,0 +1,60 @@
+"""Example students for lesson 02 (data parallel Adam): one defect each, named by the student id.
+
+Points: test_average_gradients 3, test_ddp_numerics 3, test_ddp_collectives 2. The class
+checks use zerokit's average_gradients in place of the student's, so a wrong mean costs
+exercise (a)'s 3 points only.
+"""
+
+from . import SOLUTION, Student
+
+LESSON = "02_distributed_adam"
+KEEP = ("import zerokit", 'os.environ["ZEROKIT_LAUNCHER"]')
+
+FULL = {"test_average_gradients": 3, "test_ddp_numerics": 3, "test_ddp_collectives": 2}
+ZERO = dict.fromkeys(FULL, 0)
+
+SUMS = '''@torch.no_grad()
+def average_gradients(params):
+    grads = [p.grad for p in params if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)  # BUG: the sum of the ranks' gradients, never divided by N
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+'''
+
+CLASS = '''class MyDistributedAdam(Adam):
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        with torch.no_grad():
+            for p in self.all_params():
+                dist.broadcast(p.data, src=0)
+
+    def all_params(self):
+        return [p for group in self.param_groups for p in group["params"]]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+{body}        return None
+'''
+AFTER_STEP = CLASS.format(body="        super().step()\n"
+                          "        average_gradients(self.all_params())  # BUG: too late\n")
+BROADCASTS = CLASS.format(body="        average_gradients(self.all_params())\n        super().step()\n"
+                          "        for p in self.all_params():\n"
+                          "            dist.broadcast(p.data, src=0)  # BUG: twice the traffic, for nothing\n")
+
+STUDENTS = [
+    Student("correct", "the instructor's solution, every cell of the notebook kept", FULL,
+            cells={"average_gradients": SOLUTION, "distributed_adam_class": SOLUTION}, full=True),
+    Student("untouched", "the released notebook, nothing filled in", ZERO, reason="your code raised"),
+    Student("sums_gradients", "all-reduce without dividing by N (the class is right)",
+            {**FULL, "test_average_gradients": 0}, reason="the ranks' gradients were summed",
+            cells={"average_gradients": SUMS, "distributed_adam_class": SOLUTION}),
+    Student("averages_after_step", "step() updates with the local gradient, then averages",
+            {**FULL, "test_ddp_numerics": 0}, reason="but after the update",
+            cells={"average_gradients": SOLUTION, "distributed_adam_class": AFTER_STEP}),
+    Student("broadcasts_every_step", "right numbers, but broadcasts the weights after every step",
+            {**FULL, "test_ddp_collectives": 0}, reason="every step is not needed",
+            cells={"average_gradients": SOLUTION, "distributed_adam_class": BROADCASTS}),
+]

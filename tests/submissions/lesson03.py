@@ -1,0 +1,92 @@
+"""Example students for lesson 03 (ZeRO-1): shard_range and MyZeRO1Adam.
+
+Points: test_shard_range 2, test_zero1_numerics 4, test_zero1_memory 2, test_zero1_collectives 2.
+Each defect is in one exercise and must cost only the checks meant to catch it.
+"""
+
+from . import SOLUTION, Student
+
+LESSON = "03_zero1"
+KEEP = ("import zerokit",)  # the imports cell (it also picks the forkserver launcher)
+
+FULL = {"test_shard_range": 2, "test_zero1_numerics": 4, "test_zero1_memory": 2, "test_zero1_collectives": 2}
+ZERO = dict.fromkeys(FULL, 0)
+
+# The solution's class with m and v allocated for the whole flat buffer and sliced in step():
+# the same numbers as ZeRO-1, the memory of plain data parallel.
+FULL_STATE = '''class MyZeRO1Adam(torch.optim.Optimizer):
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
+        trainable = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+        with torch.no_grad():
+            for p in trainable:
+                dist.broadcast(p.data, src=0)
+        self.bucket = FlatBucket(trainable, self.world_size, self.rank)
+        self.flat_params = self.bucket.flatten([p.data for p in trainable])
+        for p, view in zip(trainable, self.bucket.views(self.flat_params)):
+            p.data = view
+        self.exp_avg = torch.zeros(self.bucket.padded_numel)  # BUG: the whole model's m and v
+        self.exp_avg_sq = torch.zeros(self.bucket.padded_numel)
+        self.steps = 0
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        group, b = self.param_groups[0], self.bucket
+        flat_grad = b.flatten([p.grad for p in b.params])
+        grad_shard = torch.empty(b.shard_numel)
+        dist.reduce_scatter_single(grad_shard, flat_grad, op=dist.ReduceOp.AVG)
+        self.steps += 1
+        lo, hi = b.shard_start, b.shard_end
+        adamw_update_(b.shard(self.flat_params), grad_shard, self.exp_avg[lo:hi], self.exp_avg_sq[lo:hi],
+                      self.steps, lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1],
+                      eps=group["eps"], weight_decay=group["weight_decay"])
+        dist.all_gather_single(self.flat_params, b.shard(self.flat_params))
+
+    def memory_categories(self):
+        return {"parameters": [self.flat_params], "optimizer_states": [self.exp_avg, self.exp_avg_sq]}
+'''
+
+# A "hand-written" optimizer that lets torch.optim.AdamW do the update on its shard.
+CALLS_ADAMW = '''class MyZeRO1Adam(torch.optim.Optimizer):
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
+        trainable = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+        with torch.no_grad():
+            for p in trainable:
+                dist.broadcast(p.data, src=0)
+        self.bucket = FlatBucket(trainable, self.world_size, self.rank)
+        self.flat_params = self.bucket.flatten([p.data for p in trainable])
+        for p, view in zip(trainable, self.bucket.views(self.flat_params)):
+            p.data = view
+        self.shard = torch.nn.Parameter(self.bucket.shard(self.flat_params).clone())
+        self.inner = torch.optim.AdamW([self.shard], lr=lr, betas=betas, eps=eps,  # BUG: not hand-written
+                                       weight_decay=weight_decay)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        b = self.bucket
+        flat_grad = b.flatten([p.grad for p in b.params])
+        self.shard.grad = torch.empty(b.shard_numel)
+        dist.reduce_scatter_single(self.shard.grad, flat_grad, op=dist.ReduceOp.AVG)
+        self.inner.step()
+        b.shard(self.flat_params).copy_(self.shard)
+        dist.all_gather_single(self.flat_params, b.shard(self.flat_params))
+
+    def memory_categories(self):
+        state = [t for s in self.inner.state.values() for t in s.values() if torch.is_tensor(t)]
+        return {"parameters": [self.flat_params], "optimizer_states": state}
+'''
+
+STUDENTS = [
+    Student("correct", "the instructor's solution, every cell of the notebook kept", FULL,
+            cells={"shard_range": SOLUTION, "zero1_class": SOLUTION}, full=True),
+    Student("untouched", "the released notebook, nothing filled in", ZERO, reason="NotImplementedError"),
+    Student("full_state", "right numbers, but m and v for the whole model on every rank (the point missed)",
+            {**FULL, "test_zero1_memory": 0}, reason="as large as the whole model",
+            cells={"shard_range": SOLUTION, "zero1_class": FULL_STATE}),
+    Student("calls_adamw", "MyZeRO1Adam hands its shard to torch.optim.AdamW (cheat)",
+            {**ZERO, "test_shard_range": 2}, reason="torch.optim.AdamW",
+            cells={"shard_range": SOLUTION, "zero1_class": CALLS_ADAMW}),
+]

@@ -1,0 +1,82 @@
+"""Example students for lesson 05 (sharded_parameters, my_zero3): a lean set.
+
+Points: test_gather_free 2 (exercise 1, gather and free), test_matches_adamw 4,
+test_parameters_sharded 4, test_communication 3 (exercise 2, the hooks). The hook checks
+run the student's hooks on zerokit's gather/free, so a defect in one exercise costs that
+exercise only; and right numbers from full copies cost test_parameters_sharded.
+"""
+
+from . import SOLUTION, Student
+
+LESSON = "05_zero3"
+# The cell the exercises need besides their own (the launcher choice, imports); the demo
+# cells are left out of the lean examples so the set grades quickly. `correct` keeps all.
+KEEP = ('os.environ["ZEROKIT_LAUNCHER"]',)
+
+FULL = {"test_gather_free": 2, "test_matches_adamw": 4, "test_parameters_sharded": 4, "test_communication": 3}
+ZERO = dict.fromkeys(FULL, 0)
+
+# The solution's exercise 2 with one addition: a full copy of each unit kept "just in case"
+# after its forward. The numbers and the collectives are right; the memory is not.
+_COPIES = '''
+    def _post_forward(self, u, module, args, output):
+        if not hasattr(self, "_copies"):
+            self._copies = {}
+        # BUG: a full copy of the unit's weights outlives the step
+        self._copies[u] = [p.detach().clone() for bi in self._buckets_of_unit[u] for p in self.buckets[bi].params]
+        backward_coming = torch.is_grad_enabled()
+        if backward_coming:
+            tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            if tensors:
+                register_multi_grad_hook(tensors, partial(self._pre_backward, u), mode="any")
+        if u != 0 or not backward_coming:
+            for bi in self._buckets_of_unit[u]:
+                self._free(bi)
+'''
+# Exercise 1 with the naive _free: the parameters emptied and every reference dropped, but
+# the memory not released in place, so autograd's saved views keep each unit alive.
+_NO_RESIZE = '''
+    @torch.no_grad()
+    def _free(self, bi):
+        if bi in self._gathering:
+            self._gathering.pop(bi)[0].wait()
+        if self._full[bi] is not None:
+            for p in self.buckets[bi].params:
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            self._full[bi] = None  # BUG: no self._full[bi].untyped_storage().resize_(0) before
+'''
+
+
+def _with_method(source, method, replacement):
+    """`source` (a solution cell) with the method `method` replaced by `replacement`."""
+    lines = source.splitlines(keepends=True)
+    start = next(i for i, line in enumerate(lines) if line.lstrip().startswith(f"def {method}("))
+    while start > 0 and lines[start - 1].lstrip().startswith("@"):
+        start -= 1
+    end = start + 1
+    while end < len(lines) and lines[end].lstrip().startswith("@"):
+        end += 1
+    end += 1
+    while end < len(lines) and (not lines[end].strip() or lines[end].startswith(" " * 8)):
+        end += 1
+    return "".join(lines[:start]) + replacement.lstrip("\n") + "\n" + "".join(lines[end:])
+
+
+def _defect(grade_id, method, replacement):
+    from . import _solution_sources
+
+    return _with_method(_solution_sources(LESSON)[grade_id], method, replacement)
+
+
+STUDENTS = [
+    Student("correct", "the instructor's solution, every cell of the notebook kept", FULL,
+            cells={"sharded_parameters": SOLUTION, "my_zero3": SOLUTION}, full=True),
+    Student("untouched", "the released notebook, nothing filled in", ZERO, reason="your code raised"),
+    Student("keeps_full_copies", "right hooks and numbers, but a full copy of every unit kept after its forward",
+            {**FULL, "test_parameters_sharded": 0}, reason="something keeps full-size buffers alive",
+            cells={"sharded_parameters": SOLUTION, "my_zero3": _defect("my_zero3", "_post_forward", _COPIES)}),
+    Student("free_without_resize", "exercise 1's _free drops its references but does not resize_(0) the "
+            "buffer (hooks right)", {**FULL, "test_gather_free": 0}, reason="release it in place",
+            cells={"sharded_parameters": _defect("sharded_parameters", "_free", _NO_RESIZE),
+                   "my_zero3": SOLUTION}),
+]

@@ -1,0 +1,97 @@
+"""Example students for lesson 06 (mixed precision): MyLossScaler and MyMixedPrecisionAdam.
+
+Points: test_unscale 2, test_overflow_agreed 3, test_scale_schedule 2, test_master_update 3,
+test_overflow_step 2. The optimizer's checks run it with zerokit's scaler, so a defect in one
+exercise costs only that exercise's checks.
+"""
+
+from . import SOLUTION, Student
+
+LESSON = "06_mixed_precision"
+KEEP = ("import zerokit",)  # the imports cell (it also picks the forkserver launcher)
+
+FULL = {"test_unscale": 2, "test_overflow_agreed": 3, "test_scale_schedule": 2, "test_master_update": 3,
+        "test_overflow_step": 2}
+ZERO = dict.fromkeys(FULL, 0)
+
+# The classic: multiplies the scaled gradient by the scale instead of dividing (the rest is right).
+MULTIPLIES = '''class MyLossScaler:
+    def __init__(self, init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000):
+        self.scale = float(init_scale)
+        self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
+        self.growth_interval = growth_interval
+        self.clean_steps = 0
+        self.found_inf = False
+
+    def scale_loss(self, loss):
+        return loss * self.scale
+
+    @torch.no_grad()
+    def unscale(self, grads):
+        out = [g.float() * self.scale for g in grads]  # BUG: multiplied, not divided
+        flag = torch.tensor([float(any(not bool(torch.isfinite(g).all()) for g in out))])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        self.found_inf = bool(flag.item())
+        return out
+
+    def update(self):
+        if self.found_inf:
+            self.scale *= self.backoff_factor
+            self.clean_steps = 0
+            return False
+        self.clean_steps += 1
+        if self.clean_steps == self.growth_interval:
+            self.scale *= self.growth_factor
+            self.clean_steps = 0
+        return True
+'''
+
+# AdamW applied to the 16-bit parameters; the fp32 masters exist but never move.
+UPDATES_HALF = '''class MyMixedPrecisionAdam(torch.optim.Optimizer):
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                 dtype=torch.bfloat16, scaler=None):
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        self.scaler = scaler if scaler is not None else MyLossScaler(init_scale=1.0, growth_factor=1.0)
+        self.params = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+        with torch.no_grad():
+            for p in self.params:
+                dist.broadcast(p.data, src=0)
+        self.steps = 0
+        self.masters = [p.detach().float().clone() for p in self.params]
+        self.exp_avgs = [torch.zeros_like(m) for m in self.masters]
+        self.exp_avg_sqs = [torch.zeros_like(m) for m in self.masters]
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.data = p.data.to(dtype)
+
+    def scale_loss(self, loss):
+        return self.scaler.scale_loss(loss)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        group = self.param_groups[0]
+        with_grad = [i for i, p in enumerate(self.params) if p.grad is not None]
+        for i in with_grad:
+            dist.all_reduce(self.params[i].grad, op=dist.ReduceOp.AVG)
+        grads = self.scaler.unscale([self.params[i].grad for i in with_grad])
+        if not self.scaler.update():
+            return None
+        self.steps += 1
+        for i, grad in zip(with_grad, grads):
+            adamw_update_(self.params[i].data, grad, self.exp_avgs[i], self.exp_avg_sqs[i], self.steps,  # BUG
+                          lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1], eps=group["eps"],
+                          weight_decay=group["weight_decay"])
+        return None
+'''
+
+STUDENTS = [
+    Student("correct", "the instructor's solution, every cell of the notebook kept", FULL,
+            cells={"loss_scaler": SOLUTION, "master_adam": SOLUTION}, full=True),
+    Student("untouched", "the released notebook, nothing filled in", ZERO, reason="NotImplementedError"),
+    Student("multiplies_by_scale", "unscale multiplies the gradient by the loss scale instead of dividing",
+            {**FULL, "test_unscale": 0}, reason="times the scale",
+            cells={"loss_scaler": MULTIPLIES, "master_adam": SOLUTION}),
+    Student("updates_half_params", "AdamW applied to the 16-bit parameters; the fp32 masters never move",
+            {**FULL, "test_master_update": 0}, reason="did not change",
+            cells={"loss_scaler": SOLUTION, "master_adam": UPDATES_HALF}),
+]

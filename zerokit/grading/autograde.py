@@ -1,0 +1,702 @@
+"""Grade a folder of submissions with nbgrader: scores, feedback HTML, grades.csv.
+
+    python -m zerokit.grading.autograde SUBMISSIONS [--lesson ID] [--course-dir DIR] [--out DIR]
+
+SUBMISSIONS is nbgrader's own layout, SUBMISSIONS/<student>/<lesson>/<lesson>.ipynb; the
+lessons are the assignments of solutions/ (zerokit.grading.lessons.lesson_ids).
+
+1. The course folder (default: the repository root, where .gitignore and `make clean`
+   expect gradebook.db, release/, autograded/) gets a gradebook entry for every lesson with
+   submissions: nbgrader's generate_assignment from solutions/ into the scratch release/
+   (lessons/ is never touched). The checksums of the test cells come from here.
+2. Each (student, lesson) is autograded by nbgrader, then gets its feedback HTML, in a
+   process of its own forked from this one (nbgrader is imported once), --jobs at a time.
+   Every process grading starts (the kernel, zerokit's fork server and ranks) carries a
+   tag in its environment; when the notebook is done, any tagged process still alive is
+   killed, so a hanging or crashing submission leaves nothing behind.
+3. grades.csv: one row per student of the gradebook, a column per lesson total and one per
+   graded cell (`lesson:grade_id`). A line per notebook goes to stdout as it finishes, with
+   the one-line reason of every test cell that lost points.
+
+Two preprocessors replace nbgrader's own:
+- GradingExecute (for Execute): a short timeout for the student's own cells (an endless
+  loop is interrupted and grading goes on), the full one for test cells (whose checks
+  have their own, shorter ones; --check-timeout caps those); a kernel that dies (os._exit,
+  a crash, over the memory limit) costs only the cells from there on, marked "not run";
+  and the one-line reason of every failed test cell goes first in its output, where the
+  feedback puts it in front of the student.
+- RestoreCells (for OverwriteCells): nbgrader puts edited test cells back from the
+  gradebook (checksums); this also puts deleted ones back, and says so in the feedback.
+The feedback HTML leaves out the hidden tests' code (their outcome and reason stay; a
+test cell's error shows its message, not IPython's traceback, which would quote them).
+
+A submission nbgrader cannot grade at all (an unreadable file, a grader that outlived
+--notebook-timeout) scores 0, with the reason on a feedback page of its own, so stale
+grades from an earlier run never survive a regrade.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import html
+import json
+import logging
+import os
+import re
+import signal
+import sys
+import threading
+import time
+import traceback
+import uuid
+from pathlib import Path
+
+import nbformat
+import psutil
+from nbclient.exceptions import CellTimeoutError, DeadKernelError
+from nbformat.v4 import new_output
+from nbgrader import utils
+from nbgrader.api import Gradebook, MissingEntry
+from nbgrader.converters import Autograde, GenerateAssignment, GenerateFeedback
+from nbgrader.coursedir import CourseDirectory
+from nbconvert.preprocessors import CSSHTMLHeaderPreprocessor
+from nbgrader.preprocessors import ClearHiddenTests, Execute, GetGrades, OverwriteCells
+from traitlets import Bool, Float, Integer, Unicode
+from traitlets.config.loader import PyFileConfigLoader
+
+from .harness import TIMEOUT_ENV
+from .lessons import ROOT, SOLUTIONS, lesson_ids, nbgrader_env
+
+__all__ = ["grade", "find_submissions", "write_grades_csv", "failure_reason", "GradingExecute", "RestoreCells",
+           "main"]
+
+TAG = "ZEROKIT_GRADING_TAG"  # environment variable every process of a grading run inherits
+LOGS = ".logs"  # under the autograded folder: nbgrader's log of each student/lesson
+
+
+# ---------------------------------------------------------------------------------------
+# inside nbgrader: the two preprocessors
+
+
+def _error_output(ename, evalue):
+    return new_output("error", ename=ename, evalue=evalue, traceback=[f"{ename}: {evalue}"])
+
+
+def _first_line(text):
+    return next((line.strip() for line in str(text).splitlines() if line.strip()), "")
+
+
+# Our own error names: they say why a cell did not run properly, so they come first.
+_OWN_ERRORS = ("KernelDied", "CellTimeout", "NotRun")
+
+
+def failure_reason(outputs):
+    """One line saying why a test cell failed, or None if its outputs show no failure."""
+    errors = [o for o in outputs if o.get("output_type") == "error"]
+    if errors:
+        err = ([o for o in errors if o.get("ename") in _OWN_ERRORS] or errors)[0]
+        ename, line = err.get("ename", "Error"), _first_line(err.get("evalue", ""))
+        if ename in ("CheckFailed", "AssertionError") + _OWN_ERRORS:
+            return line or ename
+        if ename == "NameError":
+            return (f"NameError: {line} (the test needs it: check the name, and that the cell "
+                    "defining it ran without an error)")
+        return f"{ename}: {line}" if line else ename
+    stderr = "".join(o.get("text", "") for o in outputs if o.get("output_type") == "stream"
+                     and o.get("name") == "stderr")
+    if stderr:
+        return f"the cell wrote to stderr, which nbgrader counts as a failure: {_first_line(stderr)}"
+    return None
+
+
+def _note(text, kind):
+    colour = {"fail": "#b00020", "note": "#555"}[kind]
+    return new_output(
+        "display_data",
+        data={"text/plain": text,
+              "text/html": f'<div style="color:{colour};font-weight:bold">{html.escape(text)}</div>'},
+        metadata={"zerokit_grading": {"kind": kind, "text": text}},
+    )
+
+
+class GradingExecute(Execute):
+    """nbgrader's Execute with per-cell timeouts, a memory watchdog and one-line reasons."""
+
+    cell_timeout = Integer(
+        60, help="Seconds a cell that is not a test cell may run before the kernel is interrupted."
+    ).tag(config=True)
+    memory_limit_gb = Float(4.0, help="The kernel is killed beyond this resident memory (GiB).").tag(config=True)
+    child_memory_limit_gb = Float(
+        8.0, help="A process the kernel started is killed beyond this resident memory (GiB); above the "
+                  "4 GiB per rank of zerokit's checks, so that a check reports first."
+    ).tag(config=True)
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.timeout_func = self._timeout_for
+
+    def _timeout_for(self, cell):
+        return self.timeout if utils.is_grade(cell) and utils.is_locked(cell) else self.cell_timeout
+
+    def preprocess(self, nb, resources=None, km=None):
+        self._dead = None  # why the remaining cells cannot run
+        self._memory_kill = None
+        self._watch_stop = threading.Event()
+        self._watcher = None
+        try:
+            return super().preprocess(nb, resources, km)
+        finally:
+            self._watch_stop.set()
+
+    def _kernel_pid(self):
+        return getattr(getattr(self.km, "provisioner", None), "pid", None)
+
+    def _watch(self, pid):
+        """Kill the kernel, or a process it started, that outgrows its memory limit."""
+        try:
+            kernel = psutil.Process(pid)
+        except psutil.Error:
+            return
+        while not self._watch_stop.wait(0.1):
+            try:
+                procs = [kernel] + kernel.children(recursive=True)
+            except psutil.Error:
+                return  # the kernel is gone
+            for p in procs:
+                limit = self.memory_limit_gb if p.pid == pid else self.child_memory_limit_gb
+                try:
+                    rss = p.memory_info().rss
+                    if rss > limit * 2**30:
+                        p.kill()
+                        if p.pid == pid:
+                            self._memory_kill = (f"the kernel (the Python process running your notebook) used "
+                                                 f"{rss / 2**30:.1f} GiB of memory, over the {limit:g} GiB limit, "
+                                                 "and was stopped")
+                except psutil.Error:
+                    continue
+
+    def preprocess_cell(self, cell, resources, index):
+        if cell.cell_type != "code" or not cell.source.strip():
+            return cell, resources
+        if self._dead:
+            cell.outputs = [_error_output("NotRun", f"not run: {self._dead}")]
+            return self._annotate(cell), resources
+        if self._watcher is None and self._kernel_pid():
+            self._watcher = threading.Thread(target=self._watch, args=(self._kernel_pid(),), daemon=True)
+            self._watcher.start()
+        limit = self._timeout_for(cell)
+        # nbclient interrupts the kernel on a timeout and records this as the cell's error
+        self.error_on_timeout = {
+            "ename": "CellTimeout",
+            "evalue": f"this cell did not finish within {limit} s and was interrupted (an endless loop?)",
+            "traceback": [f"CellTimeout: this cell did not finish within {limit} s and was interrupted"],
+        }
+        try:
+            cell, resources = super().preprocess_cell(cell, resources, index)
+        except DeadKernelError:
+            why = self._memory_kill or ("the kernel (the Python process running your notebook) died while "
+                                        "running this cell: os._exit(), exit(), a crash, or out of memory")
+            cell.outputs.append(_error_output("KernelDied", why))
+            self._dead = f"the kernel died in an earlier cell: {why}"
+        except CellTimeoutError:  # the interrupt did not stop it: nothing more can run here
+            pid = self._kernel_pid()
+            if pid:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            cell.outputs.append(_error_output(
+                "CellTimeout", f"this cell did not finish within {limit} s and did not stop when interrupted"))
+            self._dead = "an earlier cell never finished"
+        return self._annotate(cell), resources
+
+    def _annotate(self, cell):
+        """Put the one-line reason (and a note on a restored test cell) first in a grade cell's output."""
+        if not utils.is_grade(cell):
+            return cell
+        notes = []
+        restored = cell.metadata.get("zerokit_grading", {}).get("restored")
+        if restored:
+            notes.append(_note(f"note: this test cell was {restored} in your notebook; it was put back and "
+                               "graded as originally written", "note"))
+        reason = failure_reason(cell.outputs)
+        if reason:
+            notes.append(_note(f"✗ 0 of {cell.metadata['nbgrader'].get('points', 0):g} points: {reason}", "fail"))
+        for o in cell.outputs:
+            if o.get("output_type") == "error":
+                # the message says it all; IPython's traceback would quote the hidden tests' code
+                o["traceback"] = [f"{o.get('ename', 'Error')}: {o.get('evalue', '')}"]
+        cell.outputs = notes + list(cell.outputs)
+        return cell
+
+
+class RestoreCells(OverwriteCells):
+    """nbgrader's OverwriteCells, also restoring deleted test cells, and marking what it restored.
+
+    nbgrader puts every locked cell back from the gradebook (that is also how a test cell's
+    hidden tests come back), so its own change reports cannot tell an edited cell from an
+    untouched one; the student version in the scratch release folder can.
+    """
+
+    add_missing_cells = Bool(True, help="Put deleted test cells back (nbgrader's default: score them 0).").tag(
+        config=True)
+    release_directory = Unicode(help="Where generate_assignment wrote the student version.").tag(config=True)
+
+    def preprocess(self, nb, resources):
+        info = resources["nbgrader"]
+        path = Path(self.release_directory) / info["assignment"] / f"{info['notebook']}.ipynb"
+        self._released = {}
+        for cell in nbformat.read(str(path), as_version=4).cells:
+            meta = cell.metadata.get("nbgrader", {})
+            if meta.get("locked") and meta.get("grade_id"):
+                self._released[meta["grade_id"]] = utils.compute_checksum(cell)
+        return super().preprocess(nb, resources)
+
+    def preprocess_cell(self, cell, resources, index):
+        grade_id = cell.metadata.get("nbgrader", {}).get("grade_id")
+        edited = grade_id in self._released and utils.compute_checksum(cell) != self._released[grade_id]
+        cell, resources = super().preprocess_cell(cell, resources, index)
+        if edited and cell.metadata.get("nbgrader", {}).get("grade_id") == grade_id:
+            cell.metadata["zerokit_grading"] = {"restored": "edited"}
+        return cell, resources
+
+    def missing_cell_transform(self, source_cell, max_score, is_solution=False, is_task=False):
+        cell = super().missing_cell_transform(source_cell, max_score, is_solution, is_task)
+        if cell.cell_type == "code":
+            cell.source = source_cell.source  # nbgrader comments out only its notice's first line
+        cell.metadata["zerokit_grading"] = {"restored": "deleted"}
+        return cell
+
+
+# ---------------------------------------------------------------------------------------
+# nbgrader configuration and apps
+
+
+def course_config(course_dir, submissions, out, options):
+    """The repository's nbgrader_config.py, pointed at this course folder, with our preprocessors."""
+    cfg = PyFileConfigLoader("nbgrader_config.py", path=str(ROOT)).load_config()
+    course_dir = Path(course_dir).resolve()
+    cd = cfg.CourseDirectory
+    cd.root = str(course_dir)
+    cd.source_directory = str(SOLUTIONS)
+    cd.release_directory = str(course_dir / "release")
+    cd.submitted_directory = str(Path(submissions).resolve())
+    cd.autograded_directory = str(course_dir / "autograded")
+    cd.feedback_directory = str(Path(out).resolve() / "feedback")
+    # several graders write to one SQLite file: wait for its lock instead of failing
+    cd.db_url = f"sqlite:///{course_dir / 'gradebook.db'}?timeout=120"
+
+    traits = Autograde.class_traits()
+    cfg.Autograde.sanitize_preprocessors = [
+        RestoreCells if p is OverwriteCells else p for p in traits["sanitize_preprocessors"].default()]
+    cfg.Autograde.autograde_preprocessors = [
+        GradingExecute if p is Execute else p for p in traits["autograde_preprocessors"].default()]
+    if options.get("cell_timeout") is not None:
+        cfg.GradingExecute.cell_timeout = int(options["cell_timeout"])
+    if options.get("test_timeout") is not None:
+        cfg.GradingExecute.timeout = int(options["test_timeout"])
+    if options.get("memory_limit_gb") is not None:
+        cfg.GradingExecute.memory_limit_gb = float(options["memory_limit_gb"])
+    cfg.RestoreCells.release_directory = cd.release_directory
+    cfg.HTMLExporter.template_name = "feedback"
+    # the feedback shows each test's outcome and reason, not the hidden tests' code
+    cfg.GenerateFeedback.preprocessors = [GetGrades, ClearHiddenTests, CSSHTMLHeaderPreprocessor]
+    cfg.ClearHiddenTests.enforce_metadata = False  # a student's cell quoting the markers must not stop it
+    return cfg
+
+
+def _run(app_class, cfg, lesson, student="*", **flags):
+    """Run an nbgrader app for one lesson (and student); (ok, its log)."""
+    coursedir = CourseDirectory(config=cfg)
+    coursedir.assignment_id, coursedir.student_id = lesson, student
+    app = app_class(coursedir=coursedir, config=cfg)
+    for name, value in flags.items():
+        setattr(app, name, value)
+    lines = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(f"[{record.levelname}] {record.getMessage()}")
+    app.log.addHandler(handler)
+    try:
+        app.start()
+        ok = True
+    except Exception:  # nbgrader raises NbGraderException after logging each failure
+        lines.append(traceback.format_exc())
+        ok = False
+    finally:
+        app.log.removeHandler(handler)
+    return ok, "\n".join(lines)
+
+
+def _grade_one(spec):
+    """In the forked grader: autograde one notebook, then its feedback; write the outcome as JSON."""
+    cfg = course_config(spec["course_dir"], spec["submissions"], spec["out"], spec["options"])
+    result = {"feedback": False}
+    result["autograde"], log = _run(Autograde, cfg, spec["lesson"], spec["student"], force=True,
+                                    create_student=True)
+    print(log, flush=True)
+    if result["autograde"]:
+        result["feedback"], log = _run(GenerateFeedback, cfg, spec["lesson"], spec["student"], force=True)
+        print(log, flush=True)
+    Path(spec["result"]).write_text(json.dumps(result))
+
+
+# ---------------------------------------------------------------------------------------
+# the driver
+
+
+def find_submissions(submissions, lessons=None, students=None):
+    """[(student, lesson)] for every SUBMISSIONS/<student>/<lesson>/ of a known lesson."""
+    known = set(lesson_ids())
+    unknown = set(lessons or ()) - known
+    if unknown:
+        raise SystemExit(f"no such lesson in solutions/: {', '.join(sorted(unknown))}")
+    wanted = set(lessons or known)
+    return [(sdir.name, ldir.name)
+            for sdir in sorted(Path(submissions).iterdir())
+            if sdir.is_dir() and not sdir.name.startswith(".") and (not students or sdir.name in students)
+            for ldir in sorted(sdir.iterdir()) if ldir.is_dir() and ldir.name in wanted]
+
+
+def tagged_processes(prefix):
+    """Live processes whose environment carries a grading tag starting with `prefix`."""
+    found = []
+    for p in psutil.process_iter():
+        try:
+            tag = p.environ().get(TAG)
+            if tag is not None and tag.startswith(prefix) and p.pid != os.getpid() \
+                    and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(p)
+        except psutil.Error:
+            continue
+    return found
+
+
+def kill_tagged(prefix, grace=3.0):
+    """Kill every process tagged `prefix*` still alive after `grace` s; describe each one killed.
+
+    The grace lets a fork server whose kernel just shut down see EOF and exit by itself.
+    """
+    killed = []
+    psutil.wait_procs(tagged_processes(prefix), timeout=grace)
+    for _ in range(5):  # a dying parent may fork once more: sweep until nothing is left
+        procs = tagged_processes(prefix)
+        if not procs:
+            break
+        for p in procs:
+            try:
+                killed.append(f"{p.pid} {' '.join(p.cmdline()[:4])}")
+                p.kill()
+            except psutil.Error:
+                pass
+        psutil.wait_procs(procs, timeout=5)
+    return killed
+
+
+def _exit_with_parent(parent):
+    """A grader whose driver is gone exits; its kernel (ipykernel watches its parent), the
+    fork server (EOF) and the ranks (they watch the kernel) follow."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(1)
+
+
+class _Job:
+    """One (student, lesson), graded in a forked child that leads a process group of its own."""
+
+    def __init__(self, student, lesson, spec, log_path, tag):
+        self.student, self.lesson, self.spec, self.log_path, self.tag = student, lesson, spec, log_path, tag
+        self.pid = self.status = self.started = None
+
+    def start(self, check_timeout):
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        Path(self.spec["result"]).unlink(missing_ok=True)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self.started = time.monotonic()
+        self.pid = os.fork()
+        if self.pid:
+            return
+        code = 1
+        try:  # the child: never returns into the caller's code
+            os.setsid()
+            threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+            fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            # the caller's sys.stdout may be a capture object (pytest's): write to the log itself
+            sys.stdout = open(1, "w", buffering=1, closefd=False)
+            sys.stderr = open(2, "w", buffering=1, closefd=False)
+            os.environ[TAG] = self.tag  # the kernel and everything it starts inherit it
+            if check_timeout is not None:
+                os.environ[TIMEOUT_ENV] = str(check_timeout)
+            _grade_one(self.spec)
+            code = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+
+    def running(self):
+        if self.status is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.status = status
+        return self.status is None
+
+    def kill(self):
+        """Stop a grader still running (only then: a reaped child's group id may be reused)."""
+        if self.running():
+            try:
+                os.killpg(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.status = os.waitpid(self.pid, 0)[1]
+
+
+def default_jobs():
+    # Most of a grader's time is waiting (kernel start, rendezvous, timeouts), not computing:
+    # on 2 cores, 4 at a time graded the example submissions in 2/3 of the time 2 took.
+    return max(4, (os.cpu_count() or 2) // 2)
+
+
+def grade(submissions, lessons=None, students=None, course_dir=ROOT, out=None, jobs=None, cell_timeout=None,
+          test_timeout=None, check_timeout=None, notebook_timeout=1800, memory_limit_gb=None, echo=print):
+    """Autograde every (student, lesson) under `submissions`; write feedback and grades.csv.
+
+    Returns {(student, lesson): {"score", "max_score", "cells": {grade_id: (score, max)},
+    "reasons": {grade_id: one line}, "seconds", "strays": [killed process], "error": text or None}}.
+    """
+    submissions = Path(submissions).resolve()
+    course_dir = Path(course_dir).resolve()
+    out = Path(out).resolve() if out else course_dir
+    if not submissions.is_dir():
+        raise SystemExit(f"{submissions} is not a folder of submissions (<student>/<lesson>/<lesson>.ipynb)")
+    # nbgrader's Gradebook runs `alembic` by name, here and in the graders
+    os.environ["PATH"] = nbgrader_env()["PATH"]
+    todo = find_submissions(submissions, lessons, students)
+    options = {"cell_timeout": cell_timeout, "test_timeout": test_timeout, "memory_limit_gb": memory_limit_gb}
+    graded_lessons = sorted({lesson for _, lesson in todo})
+    course_dir.mkdir(parents=True, exist_ok=True)
+    cfg = course_config(course_dir, submissions, out, options)
+    for lesson in graded_lessons:
+        ok, log = _run(GenerateAssignment, cfg, lesson, force=True, create_assignment=True)
+        if not ok:
+            raise SystemExit(f"nbgrader generate_assignment {lesson} failed:\n{log}")
+    with Gradebook(cfg.CourseDirectory.db_url, cfg.CourseDirectory.course_id) as gb:
+        for student in sorted({s for s, _ in todo}):  # now: two graders creating one student collide
+            gb.update_or_create_student(student)
+
+    jobs = jobs or default_jobs()
+    run_id = uuid.uuid4().hex[:12]
+    logs = course_dir / "autograded" / LOGS
+    pending = [_Job(student, lesson,
+                    {"course_dir": str(course_dir), "submissions": str(submissions), "out": str(out),
+                     "options": options, "student": student, "lesson": lesson,
+                     "result": str(logs / student / f"{lesson}.json")},
+                    logs / student / f"{lesson}.log", f"{run_id}/{student}/{lesson}")
+               for student, lesson in todo]
+    echo(f"grading {len(todo)} notebook(s) of {len({s for s, _ in todo})} student(s), lessons "
+         f"{', '.join(graded_lessons) or '(none)'}; {jobs} at a time")
+    results, running = {}, []
+    try:
+        while pending or running:
+            while pending and len(running) < jobs:
+                running.append(pending.pop(0))
+                running[-1].start(check_timeout)
+            time.sleep(0.1)
+            for job in list(running):
+                overdue = time.monotonic() - job.started > notebook_timeout
+                if job.running() and not overdue:
+                    continue
+                running.remove(job)
+                error = None
+                if job.running():
+                    error = f"grading this notebook took longer than {notebook_timeout:g} s and was stopped"
+                job.kill()
+                strays = kill_tagged(job.tag)
+                r = results[(job.student, job.lesson)] = _finish(cfg, job, error, strays)
+                _report(echo, len(results), len(todo), job, r)
+    finally:
+        for job in running:
+            job.kill()
+        leftover = kill_tagged(run_id)
+        if leftover:
+            echo(f"killed {len(leftover)} leftover grading process(es)")
+    csv_path = write_grades_csv(cfg, out / "grades.csv")
+    echo(f"wrote {csv_path} and feedback in {out / 'feedback'}")
+    return results
+
+
+def _finish(cfg, job, error, strays):
+    """Scores and reasons of one graded notebook; a zero and a feedback page if nbgrader failed."""
+    seconds = time.monotonic() - job.started
+    try:
+        result = json.loads(Path(job.spec["result"]).read_text())
+    except (OSError, ValueError):
+        result = {}
+    if error is None and not result.get("autograde"):
+        error = "nbgrader could not grade this submission: " + _nbgrader_error(job.log_path)
+    reasons = {}
+    if error is None:
+        autograded = Path(cfg.CourseDirectory.autograded_directory) / job.student / job.lesson / f"{job.lesson}.ipynb"
+        reasons = _reasons_from_notebook(autograded)
+        if not result.get("feedback"):
+            reasons["(feedback)"] = f"the feedback HTML could not be generated: see {job.log_path}"
+    with Gradebook(cfg.CourseDirectory.db_url, cfg.CourseDirectory.course_id) as gb:
+        sub = gb.update_or_create_submission(job.lesson, job.student)
+        if error is not None:  # also wipes the grades of an earlier run
+            for nb in sub.notebooks:
+                for g in nb.grades:
+                    g.auto_score, g.manual_score, g.needs_manual_grade = 0, None, False
+            gb.db.commit()
+        cells = {g.name: (g.score, g.max_score) for nb in sub.notebooks for g in nb.grades}
+        score, max_score = sub.score, sub.max_score
+    if error is not None:
+        reasons = {name: error for name in cells}
+        _fallback_feedback(cfg, job.student, job.lesson, error)
+    return {"score": score, "max_score": max_score, "cells": cells, "reasons": reasons, "seconds": seconds,
+            "strays": strays, "error": error}
+
+
+_EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception)): (.+)$")
+
+
+def _nbgrader_error(log_path):
+    """The innermost exception in nbgrader's log, e.g. NotJSONError for a file that is not a notebook."""
+    text = Path(log_path).read_text(errors="replace") if Path(log_path).exists() else ""
+    found = [m for m in map(_EXCEPTION_LINE.match, text.splitlines())
+             if m and not m.group(1).endswith("NbGraderException")]
+    if not found:
+        return f"see {log_path}"
+    name, message = found[-1].groups()  # nbgrader logs the cause chain outermost last
+    if name.endswith("NotJSONError"):
+        return "the file is not a notebook (not valid JSON): open it in JupyterLab, save it, and submit again"
+    return f"{name.rsplit('.', 1)[-1]}: {message[:300]}"
+
+
+def _fallback_feedback(cfg, student, lesson, error):
+    path = Path(cfg.CourseDirectory.feedback_directory) / student / lesson / f"{lesson}.html"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(
+        "<!DOCTYPE html>\n<html><head><meta charset='utf-8'><title>"
+        f"{html.escape(lesson)}: feedback</title></head><body>\n"
+        f"<h1>{html.escape(lesson)}: 0 points</h1>\n"
+        f"<p style='color:#b00020;font-weight:bold'>{html.escape(error)}</p>\n"
+        "<p>Nothing in this notebook could be graded. Check that the file opens in JupyterLab "
+        "and runs from top to bottom, then submit it again.</p>\n</body></html>\n")
+
+
+def _reasons_from_notebook(path):
+    """{grade_id: one-line reason} for the failed test cells of an autograded notebook."""
+    reasons = {}
+    for cell in nbformat.read(str(path), as_version=4).cells:
+        meta = cell.metadata.get("nbgrader", {})
+        if cell.cell_type != "code" or not meta.get("grade"):
+            continue
+        for o in cell.get("outputs", []):
+            info = o.get("metadata", {}).get("zerokit_grading")
+            if info and info.get("kind") == "fail":
+                reasons[meta["grade_id"]] = info["text"].split(" points: ", 1)[-1]
+    return reasons
+
+
+def _report(echo, done, total, job, r):
+    score = "?" if r["score"] is None else f"{r['score']:g}"
+    line = (f"[{done:>{len(str(total))}}/{total}] {job.student} / {job.lesson}: {score} of {r['max_score']:g} "
+            f"points ({r['seconds']:.0f} s)")
+    if r["strays"]:
+        line += f"; killed {len(r['strays'])} leftover process(es): {', '.join(r['strays'])}"
+    echo(line)
+    for name, (s, m) in r["cells"].items():
+        if (s or 0) < m:
+            echo(f"    {name} {s or 0:g}/{m:g}: {r['reasons'].get(name, '(no reason recorded)')}")
+    if "(feedback)" in r["reasons"]:
+        echo(f"    {r['reasons']['(feedback)']}")
+
+
+# ---------------------------------------------------------------------------------------
+# grades.csv
+
+
+def _cell_order(lesson):
+    """grade_ids of a lesson's graded cells in notebook order (solutions/)."""
+    nb = json.loads((SOLUTIONS / lesson / f"{lesson}.ipynb").read_text())
+    return [c["metadata"]["nbgrader"]["grade_id"] for c in nb["cells"]
+            if c.get("metadata", {}).get("nbgrader", {}).get("grade")]
+
+
+def _fmt(score):
+    return "" if score is None else f"{float(score):g}"
+
+
+def write_grades_csv(cfg, path):
+    """One row per student, one column per lesson total and per graded cell (`lesson:grade_id`).
+
+    A lesson a student did not submit is left empty, not 0.
+    """
+    with Gradebook(cfg.CourseDirectory.db_url, cfg.CourseDirectory.course_id) as gb:
+        header, rows = ["student"], []
+        assignments = sorted(gb.assignments, key=lambda a: a.name)
+        for a in assignments:
+            order = _cell_order(a.name) if (SOLUTIONS / a.name).is_dir() else []
+            names = sorted((gc.name for nb in a.notebooks for gc in nb.grade_cells),
+                           key=lambda n: (order.index(n) if n in order else len(order), n))
+            header += [a.name] + [f"{a.name}:{n}" for n in names]
+        for student in sorted(gb.students, key=lambda s: s.id):
+            row = {"student": student.id}
+            for a in assignments:
+                try:
+                    sub = gb.find_submission(a.name, student.id)
+                except MissingEntry:
+                    continue
+                row[a.name] = _fmt(sub.score)
+                row.update({f"{a.name}:{g.name}": _fmt(g.score) for nb in sub.notebooks for g in nb.grades})
+            rows.append(row)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=header, restval="", lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(rows)
+    return path
+
+
+# ---------------------------------------------------------------------------------------
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(
+        prog="python -m zerokit.grading.autograde", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("submissions", help="folder of <student>/<lesson>/<lesson>.ipynb")
+    parser.add_argument("--lesson", action="append", help="grade only this lesson (repeatable)")
+    parser.add_argument("--student", action="append", help="grade only this student (repeatable)")
+    parser.add_argument("--course-dir", default=str(ROOT),
+                        help="nbgrader's working folder: gradebook.db, release/, autograded/ (default: the repository)")
+    parser.add_argument("--out", help="where grades.csv and feedback/ go (default: the course folder)")
+    parser.add_argument("--jobs", type=int, help="notebooks graded at the same time (default: half the cores, "
+                        "at least 4)")
+    parser.add_argument("--cell-timeout", type=int, help="seconds for a cell that is not a test cell (default 60)")
+    parser.add_argument("--test-timeout", type=int,
+                        help="seconds for a test cell (default: Execute.timeout in nbgrader_config.py)")
+    parser.add_argument("--check-timeout", type=float,
+                        help="cap on each multi-rank check's own timeout, in seconds (default: the check's, 60)")
+    parser.add_argument("--notebook-timeout", type=float, default=1800, help="seconds for a whole notebook")
+    parser.add_argument("--memory-limit-gb", type=float, help="resident memory (GiB) of a notebook's kernel "
+                        "(default 4)")
+    args = parser.parse_args(argv)
+    # `kill` (SIGTERM) unwinds like Ctrl-C does, so grade() stops its graders on the way out
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    grade(args.submissions, lessons=args.lesson, students=args.student, course_dir=args.course_dir, out=args.out,
+          jobs=args.jobs, cell_timeout=args.cell_timeout, test_timeout=args.test_timeout,
+          check_timeout=args.check_timeout, notebook_timeout=args.notebook_timeout,
+          memory_limit_gb=args.memory_limit_gb, echo=lambda line: print(line, flush=True))
+    # a submission that could not be graded is a result (0 points and its reason), not a failure
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
