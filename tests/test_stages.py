@@ -282,7 +282,7 @@ def check_stage(stage, world_size):
             # the edge cases behaved as on one process: frozen and unused parameters untouched
             start = {k: t for k, t in new_model("edge").named_parameters()}
             last = res[0][kind]["snaps"][-1]
-            for name in ("frozen.weight", "frozen.bias", "unused.weight", "unused.bias"):
+            for name in ("frozen.weight", "frozen.bias", "unused.weight"):
                 assert torch.equal(last[name], start[name].detach()), f"{label}: {name} changed"
             assert "head.weight" not in last  # tied: one parameter, reported once
         if stage == "ddp":

@@ -70,6 +70,13 @@ class Adam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._update()
+        return loss
+
+    @torch.no_grad()
+    def _update(self):
+        """The update itself, without step()'s hooks: subclasses that wrap it in their own
+        step() (zerokit.DistributedAdam) call this, so step hooks fire once per step."""
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:
@@ -88,4 +95,3 @@ class Adam(torch.optim.Optimizer):
                     lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                     weight_decay=group["weight_decay"],
                 )
-        return loss

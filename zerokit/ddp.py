@@ -104,9 +104,9 @@ class DistributedAdam(Adam):
             average_gradients(self._params(), self.group, self._reduce_dtype())
         self._averaged = False
         if self.mixed is None:
-            super().step()
+            self._update()
         else:  # unscale, skip on overflow, else the same Adam on the fp32 masters
-            self.mixed.step_on_masters(self._params(), self.masters, super().step)
+            self.mixed.step_on_masters(self._params(), self.masters, self._update)
         return loss
 
     def _reduce_dtype(self):

@@ -141,6 +141,11 @@ class ZeRO2Adam(ZeRO1Adam):
 
     def zero_grad(self, set_to_none=True):
         super().zero_grad(set_to_none=set_to_none)
+        # A backward that raised never reached _end_of_backward: wait for its transfers and
+        # start clean, or the next backward would believe its callback is already queued.
+        while self._in_flight:
+            self._receive()
+        self._begin_backward()
         self.grad_shards = [None] * len(self.buckets)
         self._has_grad = [[False] * len(b.params) for b in self.buckets]
 

@@ -208,7 +208,7 @@ class ZeRO3Adam(ZeRO2Adam):
         if backward_coming:
             tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
             if tensors:
-                register_multi_grad_hook(tensors, partial(self._pre_backward, u), mode="any")
+                register_multi_grad_hook(tensors, partial(weak_hook(self._pre_backward), u), mode="any")
         if u != 0 or not backward_coming:  # the root stays gathered until backward ends
             for bi in self._buckets_of_unit[u]:
                 self._free(bi)
@@ -235,7 +235,11 @@ class ZeRO3Adam(ZeRO2Adam):
     def _publish(self, i):
         if self._param_shard(i) is not self.flat_params[i]:  # a separate 16-bit shard (half_shard)
             self.flat_params[i].copy_(self._param_shard(i))
-        # nothing to send: the next forward gathers the updated shards
+        # Nothing to send: the next forward gathers the updated shards. A full copy still
+        # gathered now holds the weights from before this step (a forward with grad enabled
+        # and no backward after it leaves the root unit gathered): drop it, or the next
+        # forward would skip its gather and compute with stale weights.
+        self._free(i)
 
     @contextmanager
     def gathered(self):
