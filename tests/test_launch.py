@@ -175,3 +175,106 @@ def test_arguments_are_checked():
         zerokit.launch(_sum_ranks, world_size=0)
     with pytest.raises(ValueError, match="backend"):
         zerokit.launch(_sum_ranks, world_size=2, backend="mpi")
+
+
+def _exit_on_one(rank, world_size, how):
+    if rank == 1:
+        if how == "exit":
+            import sys
+
+            sys.exit(0)
+        raise KeyboardInterrupt
+    dist.barrier()
+    return rank
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["exit", "interrupt"])
+def test_sys_exit_on_a_rank_is_a_launch_error_not_the_callers_exit(how):
+    # Re-raised as is, SystemExit or KeyboardInterrupt would end this process (a notebook kernel).
+    with pytest.raises(LaunchError) as info:
+        zerokit.launch(_exit_on_one, world_size=2, args=(how,), launcher="forkserver", timeout=40)
+    expected = "called sys.exit(0)" if how == "exit" else "raised KeyboardInterrupt"
+    assert f"rank 1 of 2 {expected}" in str(info.value)
+    assert set(info.value.failures) == {1}
+    assert _workers_alive() == []
+    # and this process goes on launching jobs
+    assert zerokit.launch(_sum_ranks, world_size=2, args=(1,), launcher="forkserver", echo=False)[1]["rank"] == 1
+
+
+def _sleep_forever(rank, world_size):
+    time.sleep(3600)
+
+
+@pytest.mark.timeout(90)
+def test_no_run_dir_is_left_behind(tmp_path, monkeypatch):
+    # launch() makes its run dir with tempfile.mkdtemp(prefix="zerokit-launch-"); a private
+    # temp folder keeps other processes' launches out of the count.
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    zerokit.launch(_sum_ranks, world_size=2, args=(1,), launcher="forkserver", echo=False)
+    with pytest.raises(ValueError):
+        zerokit.launch(_raise_on_one, world_size=2, launcher="forkserver", timeout=30, echo=False)
+    with pytest.raises(LaunchTimeout):
+        zerokit.launch(_sleep_forever, world_size=2, launcher="forkserver", timeout=4, echo=False)
+    assert list(tmp_path.glob("zerokit-launch-*")) == []
+
+
+def _read_test_var(rank, world_size):
+    return os.environ.get("ZEROKIT_TEST_VAR")
+
+
+@pytest.mark.timeout(60)
+def test_forked_ranks_see_variables_set_after_the_server_started(monkeypatch):
+    monkeypatch.delenv("ZEROKIT_TEST_VAR", raising=False)
+    assert zerokit.launch(_read_test_var, world_size=2, launcher="forkserver") == [None, None]
+    monkeypatch.setenv("ZEROKIT_TEST_VAR", "set later")  # undone by monkeypatch after the test
+    assert zerokit.launch(_read_test_var, world_size=2, launcher="forkserver") == ["set later"] * 2
+
+
+def test_describe_frames_names_the_users_line_not_zerokit_helpers():
+    from zerokit.launcher import describe_frames
+
+    sep = os.sep
+    torch_file = f"{sep}venv{sep}torch{sep}distributed{sep}distributed_c10d.py"
+    comm_file = f"{sep}repo{sep}zerokit{sep}comm.py"
+    frames = [  # innermost first
+        (torch_file, 3000, "all_gather"),
+        (comm_file, 50, "all_gather"),
+        ("/tmp/ipykernel_123/456.py", 7, "step"),
+        (f"{sep}repo{sep}zerokit{sep}_worker.py", 129, "main"),
+    ]
+    assert describe_frames(frames) == ("all_gather", "your cell, line 7, in step")
+    frames[2] = (f"{sep}home{sep}me{sep}train.py", 12, "step")
+    assert describe_frames(frames) == ("all_gather", "train.py:12, in step")
+    # no frame of the user's at all: the zerokit helper is better than nothing
+    assert describe_frames([frames[0], frames[1], frames[3]]) == ("all_gather", "comm.py:50, in all_gather")
+
+
+def test_torchrun_that_cannot_start_is_a_launch_error(monkeypatch):
+    import subprocess
+
+    def no_such_program(*args, **kwargs):
+        raise FileNotFoundError("no such file: python")
+
+    monkeypatch.setattr(subprocess, "Popen", no_such_program)
+    with pytest.raises(LaunchError, match="torchrun could not be started.*no such file"):
+        zerokit.launch(_sum_ranks, world_size=2, args=(1,), launcher="torchrun", backend="gloo")
+
+
+def test_a_dead_fork_server_is_a_launch_error(monkeypatch):
+    import io
+
+    from zerokit import _forkserver
+
+    class DeadPipe(io.StringIO):
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    class DeadServer:
+        stdin, stdout = DeadPipe(), io.StringIO("")
+
+    monkeypatch.setattr(_forkserver, "server", lambda pythonpath: DeadServer())
+    with pytest.raises(LaunchError, match="fork server stopped answering"):
+        zerokit.launch(_sum_ranks, world_size=2, args=(1,), launcher="forkserver", backend="gloo")

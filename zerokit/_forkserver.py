@@ -49,13 +49,15 @@ def _reap(*_):
 def _child(run_dir, rank, world_size):
     os.setsid()
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    # env.json first: it holds the caller's whole environment, which may itself carry a
+    # RANK or WORLD_SIZE (a caller run under torchrun); this rank's own values win.
+    with open(os.path.join(run_dir, "env.json")) as f:
+        os.environ.update(json.load(f))
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
         LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0",
         ZEROKIT_INIT_METHOD=f"file://{os.path.join(run_dir, 'rendezvous')}",
     )
-    with open(os.path.join(run_dir, "env.json")) as f:
-        os.environ.update(json.load(f))
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     sys.stdin.close()
     from zerokit import _worker

@@ -176,7 +176,9 @@ def launch(
         "PYTHONPATH": _pythonpath(),
     }
     worker_env.update({k: str(v) for k, v in (env or {}).items()})
-    (run_dir / "env.json").write_text(json.dumps(worker_env))
+    # The whole environment, not just the extras: a forked rank inherits the fork server's
+    # environment, which predates anything the caller set since (torchrun ranks see it).
+    (run_dir / "env.json").write_text(json.dumps({**os.environ, **worker_env}))
 
     ranks = [_Rank(r, run_dir) for r in range(world_size)]
     job = (_TorchrunJob if launcher == "torchrun" else _ForkedJob)(run_dir, world_size, worker_env)
@@ -205,13 +207,15 @@ def launch(
                 finished = [r.rank for r in ranks if r.result]  # before the kill changes it
                 _dump_stacks(ranks)
     finally:
-        job.kill(ranks)
-        poll()
-        outputs = {r.rank: _read(r.file("out")) for r in ranks}
-        stacks = {r.rank: _read(r.file("stack")) for r in ranks}
-        exit_codes = {r.rank: job.exit_code(r) for r in ranks}
-        job_log = job.log()
-        shutil.rmtree(run_dir, ignore_errors=True)
+        try:
+            job.kill(ranks)
+            poll()
+            outputs = {r.rank: _read(r.file("out")) for r in ranks}
+            stacks = {r.rank: _read(r.file("stack")) for r in ranks}
+            exit_codes = {r.rank: job.exit_code(r) for r in ranks}
+            job_log = job.log()
+        finally:  # even if the last poll() cannot unpickle a result: no run dir left in /tmp
+            shutil.rmtree(run_dir, ignore_errors=True)
 
     if outcome == "ok":
         return [r.result[1] for r in ranks]
@@ -271,13 +275,18 @@ class _TorchrunJob:
             "-m", "zerokit._worker", str(self.run_dir),
         ]
         with open(self.run_dir / "launcher.log", "wb") as log:
-            self.agent = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                          start_new_session=True)
+            try:
+                self.agent = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                              start_new_session=True)
+            except OSError as exc:
+                raise LaunchError(f"torchrun could not be started: {exc}") from exc
 
     def done(self, ranks):
         return self.agent.poll() is not None
 
     def kill(self, ranks):
+        if self.agent is None:  # start() failed: nothing to stop, and its error must surface
+            return
         # SIGTERM lets the agent stop its workers; then SIGKILL every process group,
         # the workers' too: torchrun starts each worker in a session of its own.
         if self.agent.poll() is None:
@@ -318,16 +327,26 @@ class _ForkedJob:
             server = _forkserver.server(_pythonpath())
         except RuntimeError as exc:
             raise LaunchError(str(exc)) from exc
-        for r in ranks:
-            server.stdin.write(f"{self.run_dir} {r.rank} {self.world_size}\n")
-            server.stdin.flush()
-            r.pid = int(server.stdout.readline())
+        try:
+            for r in ranks:
+                server.stdin.write(f"{self.run_dir} {r.rank} {self.world_size}\n")
+                server.stdin.flush()
+                r.pid = int(server.stdout.readline())
+        except (OSError, ValueError) as exc:  # the server died: a broken pipe, or EOF ("")
+            raise LaunchError(f"the zerokit fork server stopped answering: {exc!r}") from exc
 
     def done(self, ranks):
         return all(r.result or r.file("exit").exists() for r in ranks)
 
     def kill(self, ranks):
-        _kill_groups([r.pid for r in ranks if r.pid])
+        started = [r for r in ranks if r.pid]
+        _kill_groups([r.pid for r in started])
+        # _kill_groups counts a zombie as dead, but the fork server writes rank<r>.exit only
+        # once it has reaped the child: wait for that, or the write lands in a run dir that
+        # rmtree is removing and the dir is left behind in /tmp.
+        end = time.monotonic() + 5
+        while time.monotonic() < end and not all(r.file("exit").exists() for r in started):
+            time.sleep(0.01)
 
     def exit_code(self, r):
         text = _read(r.file("exit")).strip()
@@ -464,6 +483,18 @@ def _raise_rank_error(ranks, world_size, outputs):
     exc = info.get("exception")
     if exc is None:
         exc = RuntimeError(_one_line(info["type"], info["message"]))
+    remote = RemoteTraceback(f"\n\nTraceback on rank {first.rank}:\n{info['traceback']}")
+    if not isinstance(exc, Exception):
+        # SystemExit or KeyboardInterrupt raised again here would end the caller's own
+        # process (the notebook kernel, pytest) instead of reporting a failed job.
+        if isinstance(exc, SystemExit):
+            why = f"called sys.exit({'' if exc.code is None else repr(exc.code)})"
+        else:
+            why = f"raised {_one_line(info['type'], info['message'])}"
+        failures = {first.rank: why}
+        error = LaunchError(f"rank {first.rank} of {world_size} {why}", failures, outputs)
+        error.rank = first.rank
+        raise error from remote
     note = f"raised on rank {first.rank} of {world_size}"
     if info.get("where"):
         note += f", {info['where']}"
@@ -479,7 +510,7 @@ def _raise_rank_error(ranks, world_size, outputs):
         exc.add_note(f"rank {r.rank} also raised {_one_line(r.result[1]['type'], r.result[1]['message'])}")
     exc.rank = first.rank
     exc.outputs = outputs
-    raise exc from RemoteTraceback(f"\n\nTraceback on rank {first.rank}:\n{info['traceback']}")
+    raise exc from remote
 
 
 def _where(info):
@@ -525,17 +556,23 @@ def describe_frames(frames):
     """
     collective = None
     user = None
+    # zerokit's own helpers (comm.all_gather, ...) sit between the user's line and torch: name
+    # one of them only when the stack holds no frame of the user's at all.
+    zerokit_frame = None
     for filename, lineno, func in frames:
         in_torch = f"{os.sep}torch{os.sep}" in filename
-        in_zerokit = f"{os.sep}zerokit{os.sep}" in filename and not filename.endswith("_worker.py")
+        in_zerokit = f"{os.sep}zerokit{os.sep}" in filename
         if collective is None and in_torch and func in COLLECTIVES:
             collective = func
-        if user is None and not in_torch and not filename.endswith(("_worker.py", "launcher.py", "_forkserver.py")):
-            if "ipykernel" in filename or filename.startswith("<"):
-                user = f"your cell, line {lineno}, in {func}"
-            elif not in_zerokit or user is None:
-                user = f"{Path(filename).name}:{lineno}, in {func}"
-    return collective, user
+        if user is not None or in_torch or filename.endswith(("_worker.py", "launcher.py", "_forkserver.py")):
+            continue
+        if "ipykernel" in filename or filename.startswith("<"):
+            user = f"your cell, line {lineno}, in {func}"
+        elif not in_zerokit:
+            user = f"{Path(filename).name}:{lineno}, in {func}"
+        elif zerokit_frame is None:
+            zerokit_frame = f"{Path(filename).name}:{lineno}, in {func}"
+    return collective, user or zerokit_frame
 
 
 def _describe_stack(text):
