@@ -15,6 +15,7 @@ names the problem, and pass the others: one bug costs its own points only.
 | lr read once in __init__ | contract | "two param groups" |
 | zero_grad as `grad *= zeros_like(grad)` | zero_grad | "NaN × 0 = NaN" |
 | calls torch.optim.AdamW in step() | numerics, contract | "torch.optim.AdamW" |
+| calls torch.optim.adam._single_tensor_adam in step() | numerics, contract | "torch's Adam" |
 | subclass of zerokit.Adam | numerics, contract, zero_grad | "subclasses an existing Adam" |
 | wraps zerokit.Adam | numerics, contract | "used zerokit's Adam" |
 | formula with K = 8 in mixed precision | model_state_bytes | "bytes of optimizer_states" |
@@ -162,6 +163,38 @@ def broken(*bugs):
     return type("_".join(bugs), (Broken,), {"BUGS": frozenset(bugs)})
 
 
+class CallsSingleTensorAdam(torch.optim.Optimizer):
+    """AdamW by torch's own functional form, reached past the module attributes the harness replaces."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        from torch.optim.adam import _single_tensor_adam
+
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            for p in params:
+                if not self.state[p]:
+                    self.state[p].update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p),
+                                         exp_avg_sq=torch.zeros_like(p))
+            state = [self.state[p] for p in params]
+            (b1, b2) = group["betas"]
+            _single_tensor_adam(params, [p.grad for p in params], [s["exp_avg"] for s in state],
+                                [s["exp_avg_sq"] for s in state], [], [s["step"] for s in state],
+                                grad_scale=None, found_inf=None, amsgrad=False, has_complex=False, beta1=b1,
+                                beta2=b2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
+                                maximize=False, capturable=False, differentiable=False,
+                                decoupled_weight_decay=True)
+        return None
+
+    def zero_grad(self, set_to_none=True):
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.grad = None
+
+
 class SubclassesZeroKit(zerokit.Adam):
     pass
 
@@ -185,6 +218,7 @@ DEFECTS = [  # (class, {check that must fail: message fragment}); every other ch
     (broken("lr_from_init"), {"contract": "two param groups"}),
     (broken("zero_grad_by_multiplying"), {"zero_grad": "NaN × 0 = NaN"}),
     (broken("calls_adamw"), {"numerics": "torch.optim.AdamW", "contract": "torch.optim.AdamW"}),
+    (CallsSingleTensorAdam, {"numerics": "torch's Adam", "contract": "torch's Adam"}),
     (SubclassesZeroKit, {name: "subclasses an existing Adam" for name in CHECKS}),
     (WrapsZeroKit, {"numerics": "used zerokit's Adam", "contract": "used zerokit's Adam"}),
 ]

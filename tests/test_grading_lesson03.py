@@ -19,7 +19,7 @@ message that names the problem, and pass the others: one bug costs its own point
 | data parallel in disguise | memory, collectives | "as large as the whole model", "all-reduced" |
 | subclass of zerokit.ZeRO1Adam | every class check | "subclasses zerokit.ZeRO1Adam" |
 | wraps zerokit.ZeRO1Adam | every class check | "used zerokit's ZeRO1Adam" |
-| calls torch.optim.AdamW | numerics | "torch.optim.AdamW" |
+| calls torch.optim.AdamW | numerics, memory, collectives | "torch.optim.AdamW" |
 | the untouched student notebook | every check | "NotImplementedError" |
 """
 
@@ -265,7 +265,7 @@ DEFECTS = {  # class -> {check that must fail: message fragment}; every other ch
     DataParallelInDisguise: {"memory": "as large as the whole model", "collectives": "all-reduced"},
     SubclassesZeroKit: {name: "subclasses zerokit.ZeRO1Adam" for name in CHECKS},
     WrapsZeroKit: {name: "used zerokit's ZeRO1Adam" for name in CHECKS},
-    CallsTorchAdamW: {"numerics": "torch.optim.AdamW"},
+    CallsTorchAdamW: {name: "torch.optim.AdamW" for name in CHECKS},
 }
 
 
@@ -276,10 +276,10 @@ def test_each_defect_fails_exactly_its_checks(cls, capsys):
     for name, check in CHECKS.items():
         if name in expected:
             fails(check, cls, match=expected[name])
-        elif cls is not CallsTorchAdamW:  # it has no point beyond the tripwire
+        else:
             check(cls)
     out = capsys.readouterr().out
-    assert out.count("✓") == len(CHECKS) - len(expected) or cls is CallsTorchAdamW, out
+    assert out.count("✓") == len(CHECKS) - len(expected), out
 
 
 @pytest.mark.timeout(30)

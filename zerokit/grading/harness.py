@@ -18,9 +18,11 @@ Nothing is written to stderr (nbgrader fails a test cell that writes there): wor
 output is echoed on stdout, and warnings raised here are printed, not emitted.
 
 Inside the workers the check is *guarded*: torch.optim.Adam/AdamW (and their functional
-forms) are replaced by tripwires, so a "hand-written" optimizer that calls them fails;
-and the functions a check compares with are captured before the student's code runs and
-verified afterwards, so monkeypatching them fails too.
+forms: the module attributes, and the code of torch's Python implementations themselves)
+are replaced by tripwires, so a "hand-written" optimizer that calls them fails; and what a
+check relies on (the check modules' and zerokit's module globals, torch's functions and
+torch.Tensor's methods) is snapshotted before the student's code runs and verified
+afterwards, so monkeypatching it fails too.
 """
 
 import contextlib
@@ -32,7 +34,7 @@ import torch
 
 from ..launcher import LaunchError, LaunchTimeout, launch
 
-__all__ = ["CheckFailed", "run_on_ranks", "passed", "GUARDED", "TIMEOUT_ENV"]
+__all__ = ["CheckFailed", "run_on_ranks", "passed", "torch_adam_allowed", "GUARDED", "TIMEOUT_ENV"]
 
 TIMEOUT_ENV = "ZEROKIT_CHECK_TIMEOUT"  # seconds; caps every check's own timeout when set
 
@@ -61,6 +63,15 @@ def _tripwire(name):
     return call
 
 
+def _adam_code_tripwire(*args, **kwargs):
+    # Its __code__ replaces that of torch's Python Adam functions, so it runs with *their*
+    # globals (torch.optim.adam's): no free variables, and an absolute import, not a name of ours.
+    from zerokit.grading.harness import ForbiddenCall
+
+    raise ForbiddenCall("the exercise asks for a hand-written optimizer, but your code called torch's Adam "
+                        "(torch.optim.Adam/AdamW or its functional forms)")
+
+
 # What a check relies on; a student's code must not replace any of these.
 GUARDED = [
     (torch, "allclose"), (torch, "equal"), (torch, "isclose"), (torch.testing, "assert_close"),
@@ -71,28 +82,115 @@ GUARDED = [
 _FORBIDDEN = [("torch.optim", "Adam"), ("torch.optim", "AdamW"), ("torch.optim.adam", "adam"),
               ("torch.optim.adamw", "adamw"), ("torch.optim.adam", "Adam"), ("torch.optim.adamw", "AdamW"),
               ("torch", "_fused_adam_"), ("torch", "_fused_adamw_")]
+# Replacing module attributes does not reach a function or class the student's code already
+# holds (`from torch.optim import AdamW`, torch.optim.adam._single_tensor_adam called directly):
+# the bodies of torch's Python implementations are swapped too, wherever they are referenced from.
+_FORBIDDEN_CODE = [("torch.optim.adam", "adam"), ("torch.optim.adam", "_single_tensor_adam"),
+                   ("torch.optim.adam", "_multi_tensor_adam"), ("torch.optim.adam", "_fused_adam"),
+                   ("torch.optim.adamw", "adamw")]
+
+
+def _real_adam():
+    """torch's Adam attributes and the functions whose __code__ the tripwire replaces, as imported."""
+    import importlib
+    import inspect
+
+    attrs = [(importlib.import_module(m), n) for m, n in _FORBIDDEN]
+    attrs = [(mod, name, getattr(mod, name, None)) for mod, name in attrs]
+    functions = []
+    for m, n in _FORBIDDEN_CODE:
+        fn = getattr(importlib.import_module(m), n, None)
+        fn = inspect.unwrap(fn) if fn is not None else None  # torch.optim.adam.adam is a decorator's wrapper
+        if inspect.isfunction(fn) and not fn.__code__.co_freevars and fn not in [f for f, _ in functions]:
+            functions.append((fn, fn.__code__))
+    return attrs, functions
+
+
+# captured when the harness is imported in a worker, before any student code runs there
+_REAL_ATTRS, _REAL_CODE = _real_adam()
+
+
+def _forbid_adam():
+    for mod, name, fn in _REAL_ATTRS:
+        if fn is not None:
+            setattr(mod, name, _tripwire(f"{mod.__name__}.{name}"))
+    for fn, _ in _REAL_CODE:
+        fn.__code__ = _adam_code_tripwire.__code__
+
+
+def _adam_now():
+    """What torch's Adam attributes and functions' code are now, for _put_back."""
+    return ([(mod, name, getattr(mod, name, None)) for mod, name, _ in _REAL_ATTRS],
+            [(fn, fn.__code__) for fn, _ in _REAL_CODE])
+
+
+def _put_back(state):
+    attrs, codes = state
+    for mod, name, value in attrs:
+        if value is not None:
+            setattr(mod, name, value)
+    for fn, code in codes:
+        fn.__code__ = code
+
+
+@contextlib.contextmanager
+def torch_adam_allowed():
+    """Lift the tripwires on torch's Adam for a check's own reference (no student code inside the
+    block), and put back whatever was there."""
+    before = _adam_now()
+    _put_back((_REAL_ATTRS, _REAL_CODE))
+    try:
+        yield
+    finally:
+        _put_back(before)
+
+
+# Whose contents a check relies on besides GUARDED: the checks' own modules (a module global such
+# as assert_close, or a builtin's name shadowed there), what they import from zerokit, and torch.
+_TRUSTED_MODULES = ("zerokit.comm", "zerokit.memory", "zerokit.reference", "zerokit.models")
+
+
+def _snapshot():
+    """(label, namespace, copy of its contents, whether added names count) for every namespace a
+    check trusts; a few dict copies, well under a millisecond."""
+    import sys
+
+    modules = [m for name, m in list(sys.modules.items())
+               if m is not None and (name.startswith("zerokit.grading") or name in _TRUSTED_MODULES)]
+    out = [(m.__name__, vars(m), dict(vars(m)), True) for m in modules]
+    # torch.Tensor: a new name shadows TensorBase's method (torch.Tensor.any = ...), so it counts
+    out.append(("torch.Tensor", vars(torch.Tensor), dict(vars(torch.Tensor)), True))
+    for mod in (torch, torch.testing):  # only the functions: torch adds submodules etc. lazily
+        out.append((mod.__name__, vars(mod), {k: v for k, v in vars(mod).items() if callable(v)}, False))
+    return out
+
+
+# caches Python itself adds: copyreg's on a class it copies or pickles, warnings' on a module that warns
+_CACHES = {"__slotnames__", "__warningregistry__"}
+
+
+def _replaced(snapshot):
+    names = []
+    for label, namespace, before, added_counts in snapshot:
+        keys = set(before) | (set(namespace) - _CACHES if added_counts else set())
+        names += sorted(f"{label}.{k}" for k in keys if namespace.get(k) is not before.get(k))
+    return names
 
 
 def _guarded(rank, world_size, check, args, forbid_adam):
-    import importlib
-
-    import zerokit.grading as grading_pkg
-
     originals = [(obj, name, getattr(obj, name)) for obj, name in GUARDED]
-    modules = {name: importlib.import_module(name) for name in {m for m, _ in _FORBIDDEN}}
-    saved = [(modules[m], n, getattr(modules[m], n, None)) for m, n in _FORBIDDEN]
-    graders = {k: v for k, v in vars(grading_pkg).items()}
+    snapshot = _snapshot()
+    before = _adam_now()
     if forbid_adam:
-        for mod, name, _ in saved:
-            setattr(mod, name, _tripwire(f"{mod.__name__}.{name}"))
+        _forbid_adam()
     try:
         result = check(rank, world_size, *args)
     finally:
-        for mod, name, value in saved:
-            if value is not None:
-                setattr(mod, name, value)
-    tampered = [f"{getattr(obj, '__name__', obj)}.{name}" for obj, name, fn in originals if getattr(obj, name) is not fn]
-    tampered += [f"zerokit.grading.{k}" for k, v in graders.items() if vars(grading_pkg).get(k) is not v]
+        _put_back(before)
+    label = {torch.Tensor: "torch.Tensor"}  # named as the snapshot names it, so nothing is listed twice
+    tampered = [f"{label.get(obj, getattr(obj, '__name__', obj))}.{name}"
+                for obj, name, fn in originals if getattr(obj, name) is not fn]
+    tampered += [name for name in _replaced(snapshot) if name not in tampered]
     if tampered:
         raise CheckFailed(f"your code replaced {', '.join(tampered)}: checks must run on the real functions")
     return result

@@ -302,7 +302,14 @@ def _numerics_case(rank, world_size, cls, name, steps, weight_decay, reference):
             state = getattr(opt, "state", {})
             for n in names:
                 p = named[n]
-                if n in ref_state and isinstance(state.get(p), dict) and "exp_avg" in state[p]:
+                if n in ref_state:
+                    held = state.get(p) if isinstance(state, dict) else None
+                    if not isinstance(held, dict) or not {"exp_avg", "exp_avg_sq"} <= held.keys():
+                        # without them m and v cannot be compared, and a sum could hide in them
+                        raise AssertionError(
+                            f"{after}: self.state[p] of parameter {n} holds no m and v (keys: "
+                            f"{sorted(held) if isinstance(held, dict) else 'none'}): keep Adam's m and v in "
+                            "self.state[p]['exp_avg'] and self.state[p]['exp_avg_sq'], as lesson 01's Adam does")
                     for key, ref, what in (("exp_avg", ref_state[n][0], "m"), ("exp_avg_sq", ref_state[n][1], "v")):
                         scale = float(ref.abs().max())
                         try:

@@ -19,8 +19,9 @@ own slice of the batch, and looks at one thing:
 - check_accumulation         k backward calls before one step: k reduce-scatters per bucket,
                              the shards summed, the same weights as AdamW on the whole batch.
 
-The single-process reference (torch.optim.AdamW) runs here, in the notebook's process,
-before the ranks start: the harness forbids torch.optim.Adam/AdamW inside the workers.
+The single-process reference (torch.optim.AdamW) runs before the ranks start, in a one-rank
+launch of its own (the harness forbids torch.optim.Adam/AdamW where the student's code runs,
+and the notebook's process may have rebound it), cached per configuration.
 """
 
 import gc
@@ -97,19 +98,25 @@ def _loss(kind, model, x, y, rank):
     return loss_for(kind, model(x), y)
 
 
-def _reference(kind, world_size, steps, accum):
+_REFERENCES = {}  # (kind, world_size, steps, accum) -> the reference's records
+
+
+def _reference(kind, world_size, steps, accum, timeout=60.0):
     """torch.optim.AdamW in one process on the mean loss over every rank's micro-batches.
 
     Per step: the mean gradient (before the step), then the weights and Adam's m and v after it.
-    One intra-op thread, as on the ranks: these models are too small to gain from more, and
-    a busy machine's idle threads would only spin.
+    It runs in a fresh one-rank launch, not in the notebook's process, whose torch.optim.AdamW a
+    cell may have rebound; the launch's one intra-op thread is what the ranks use too.
     """
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return _reference_run(kind, world_size, steps, accum)
-    finally:
-        torch.set_num_threads(threads)
+    key = (kind, world_size, steps, accum)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = run_on_ranks(_reference_case, 1, args=(kind, world_size, steps, accum), timeout=timeout,
+                                        forbid_adam=False, what="the reference (torch.optim.AdamW)")[0]
+    return _REFERENCES[key]
+
+
+def _reference_case(_rank, _one, kind, world_size, steps, accum):
+    return _reference_run(kind, world_size, steps, accum)
 
 
 def _reference_run(kind, world_size, steps, accum):
@@ -137,19 +144,20 @@ def _reference_run(kind, world_size, steps, accum):
 
 
 def _validate(cls):
-    """The class is the student's ZeRO-2, not zerokit's under another name."""
+    """The class is the student's ZeRO-2, not zerokit's under another name (in the notebook's process, so
+    CheckFailed: no harness turns an AssertionError into one here)."""
     if not isinstance(cls, type):
-        raise AssertionError(f"expected your optimizer class (MyZeRO2Adam), got {type(cls).__name__}")
+        raise CheckFailed(f"expected your optimizer class (MyZeRO2Adam), got {type(cls).__name__}")
     if issubclass(cls, ZeRO2Adam):
-        raise AssertionError(f"{cls.__name__} subclasses zerokit.ZeRO2Adam, the class this exercise re-implements: "
-                             "build on zerokit.ZeRO1Adam, as the scaffold does, and write the hook yourself")
+        raise CheckFailed(f"{cls.__name__} subclasses zerokit.ZeRO2Adam, the class this exercise re-implements: "
+                          "build on zerokit.ZeRO1Adam, as the scaffold does, and write the hook yourself")
     for name in EXERCISE:
         mine, theirs = getattr(cls, name, None), getattr(ZeRO2Adam, name)
         if mine is None:
-            raise AssertionError(f"{cls.__name__} has no method {name}: keep the scaffold's method names")
+            raise CheckFailed(f"{cls.__name__} has no method {name}: keep the scaffold's method names")
         # unwrap: every @torch.no_grad() method shares the decorator's own code object
         if mine is theirs or getattr(inspect.unwrap(mine), "__code__", None) is inspect.unwrap(theirs).__code__:
-            raise AssertionError(f"{cls.__name__}.{name} is zerokit.ZeRO2Adam.{name}: write it yourself")
+            raise CheckFailed(f"{cls.__name__}.{name} is zerokit.ZeRO2Adam.{name}: write it yourself")
 
 
 def _bucket_mb(bucket_numel):
@@ -399,7 +407,7 @@ def check_matches_adamw(cls, world_size=2, kind="mlp", bucket_numel=300, steps=4
     """Every step: each rank's reduced gradient shard, the weights, and Adam's m and v shards
     equal one process running torch.optim.AdamW on the whole batch."""
     __tracebackhide__ = True
-    ref = _reference(kind, world_size, steps, 1)
+    ref = _reference(kind, world_size, steps, 1, timeout)
     _run(_numerics_case, cls, world_size, (kind, bucket_numel, ref), f"{cls.__name__} on {kind}", timeout)
     passed(f"{cls.__name__} matches torch.optim.AdamW on {world_size} ranks ({kind}, buckets of {bucket_numel}): "
            f"gradient shards, weights and Adam's m, v after each of {steps} steps")
@@ -433,7 +441,7 @@ def check_unused_parameters(cls, world_size=2, kinds=("edge", "branch"), bucket_
     neither hang nor corrupt: the weights follow torch.optim.AdamW every step."""
     __tracebackhide__ = True
     for kind in kinds:
-        ref = _reference(kind, world_size, steps, 1)
+        ref = _reference(kind, world_size, steps, 1, timeout)
         what = {"edge": f"{cls.__name__} on a model with an unused parameter",
                 "branch": f"{cls.__name__} on a model whose branch gets a gradient on even ranks only"}.get(kind, kind)
         try:
@@ -450,13 +458,13 @@ def check_accumulation(cls, world_size=2, kind="mlp", bucket_numel=300, accum=3,
     """`accum` backward calls per step: accum reduce-scatters per bucket, shards summed, and
     the weights of torch.optim.AdamW on the whole batch."""
     __tracebackhide__ = True
-    ref = _reference(kind, world_size, steps, accum)
+    ref = _reference(kind, world_size, steps, accum, timeout)
     res = _run(_params_case, cls, world_size, (kind, bucket_numel, ref, accum), f"{cls.__name__} on {kind}", timeout)
     for rank, r in enumerate(res):
         want = [r["buckets"]] * (accum * steps)
         if r["reductions"] != want:
-            raise AssertionError(f"[rank {rank}] with {accum} backward calls per step, the backward calls made "
-                                 f"{r['reductions']} gradient reductions; expected {r['buckets']} in every one "
-                                 f"(one per bucket: ZeRO-2 reduces whatever each backward produced)")
+            raise CheckFailed(f"[rank {rank}] with {accum} backward calls per step, the backward calls made "
+                              f"{r['reductions']} gradient reductions; expected {r['buckets']} in every one "
+                              f"(one per bucket: ZeRO-2 reduces whatever each backward produced)")
     passed(f"{cls.__name__} accumulates {accum} micro-batches on {world_size} ranks ({kind}): "
            f"{accum} x {res[0]['buckets']} reduce-scatters per step, weights match torch.optim.AdamW")

@@ -31,8 +31,9 @@ own slice of the batch, and looks at one thing:
 
 Isolation: the hook checks give the student's MyZeRO3Adam zerokit's own `_start_gather`,
 `_finish_gather` and `_free` (and `_gather_buffer`), so a bug in the mechanics costs check_gather_free only.
-The single-process reference (torch.optim.AdamW) runs in the notebook's process before
-the ranks start: the harness forbids torch.optim.Adam/AdamW inside the workers.
+The single-process reference (torch.optim.AdamW) runs before the ranks start, in a one-rank
+launch of its own (the harness forbids torch.optim.Adam/AdamW where the student's code runs,
+and the notebook's process may have rebound it), cached per configuration.
 """
 
 import gc
@@ -52,7 +53,7 @@ from ..reference import build_model, global_batch
 from ..zero2 import ZeRO2Adam
 from ..zero3 import ZeRO3Adam, _default_units
 from .compare import assert_close
-from .harness import passed, run_on_ranks
+from .harness import CheckFailed, passed, run_on_ranks
 
 __all__ = ["check_gather_free", "check_matches_adamw", "check_parameters_sharded", "check_communication",
            "NestedNet", "build", "batch", "units_of", "with_reference_mechanics", "live_parameter_bytes"]
@@ -126,9 +127,23 @@ def units_of(model, units):
     raise ValueError(f"units must be None or 'blocks', not {units!r}")
 
 
-def _reference(kind, world_size, steps):
+_REFERENCES = {}  # (kind, world_size, steps) -> the reference's records
+
+
+def _reference(kind, world_size, steps, timeout=60.0):
     """torch.optim.AdamW in one process on the whole batch: per step, the mean gradient
-    (before the step), then the weights and Adam's m and v after it."""
+    (before the step), then the weights and Adam's m and v after it.
+
+    It runs in a fresh one-rank launch, not in the notebook's process, whose torch.optim.AdamW
+    a cell may have rebound."""
+    key = (kind, world_size, steps)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = run_on_ranks(_reference_case, 1, args=(kind, world_size, steps), timeout=timeout,
+                                        forbid_adam=False, what="the reference (torch.optim.AdamW)")[0]
+    return _REFERENCES[key]
+
+
+def _reference_case(_rank, _one, kind, world_size, steps):
     model = build(kind)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     opt = torch.optim.AdamW([p for _, p in named], lr=LR, weight_decay=WEIGHT_DECAY, eps=EPS, foreach=False)
@@ -151,25 +166,26 @@ def _reference(kind, world_size, steps):
 
 
 def _validate(cls, methods, expected_name):
-    """The class is the student's, not zerokit's ZeRO3Adam under another name."""
+    """The class is the student's, not zerokit's ZeRO3Adam under another name (in the notebook's process,
+    so CheckFailed: no harness turns an AssertionError into one here)."""
     if not isinstance(cls, type):
-        raise AssertionError(f"expected your class ({expected_name}), got {type(cls).__name__}")
+        raise CheckFailed(f"expected your class ({expected_name}), got {type(cls).__name__}")
     if issubclass(cls, ZeRO3Adam):
-        raise AssertionError(f"{cls.__name__} subclasses zerokit.ZeRO3Adam, the class this exercise re-implements: "
-                             "build on the scaffold's ShardedParameters (zerokit.ZeRO2Adam underneath) and write "
-                             "the methods yourself")
+        raise CheckFailed(f"{cls.__name__} subclasses zerokit.ZeRO3Adam, the class this exercise re-implements: "
+                          "build on the scaffold's ShardedParameters (zerokit.ZeRO2Adam underneath) and write "
+                          "the methods yourself")
     if not issubclass(cls, ZeRO2Adam):
-        raise AssertionError(f"{cls.__name__} does not build on zerokit.ZeRO2Adam: keep the scaffold's base class")
+        raise CheckFailed(f"{cls.__name__} does not build on zerokit.ZeRO2Adam: keep the scaffold's base class")
     for name in methods:
         mine = getattr(cls, name, None)
         if mine is None:
-            raise AssertionError(f"{cls.__name__} has no method {name}: keep the scaffold's method names")
+            raise CheckFailed(f"{cls.__name__} has no method {name}: keep the scaffold's method names")
         code = getattr(inspect.unwrap(mine), "__code__", None)
         for ref_cls in (ZeRO3Adam, ZeRO2Adam):
             theirs = ref_cls.__dict__.get(name)
             # unwrap: every @torch.no_grad() method shares the decorator's own code object
             if theirs is not None and (mine is theirs or code is getattr(inspect.unwrap(theirs), "__code__", 0)):
-                raise AssertionError(f"{cls.__name__}.{name} is zerokit.{ref_cls.__name__}.{name}: write it yourself")
+                raise CheckFailed(f"{cls.__name__}.{name} is zerokit.{ref_cls.__name__}.{name}: write it yourself")
 
 
 def with_reference_mechanics(cls):
@@ -675,7 +691,7 @@ def check_matches_adamw(cls, world_size=2, kind="mlp", units=None, steps=4, time
     """Every step, each rank on its own data: the gradient shards, the weights (gathered) and
     Adam's m and v shards equal one process running torch.optim.AdamW on the whole batch."""
     __tracebackhide__ = True
-    ref = _reference(kind, world_size, steps)
+    ref = _reference(kind, world_size, steps, timeout)
     _hooks_run(_numerics_case, cls, world_size, (kind, units, ref), f"{cls.__name__} on {kind}", timeout)
     how = "" if units is None else f", units={units}"
     passed(f"{cls.__name__} matches torch.optim.AdamW on {world_size} ranks ({kind}{how}): gradient shards, weights "
