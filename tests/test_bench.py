@@ -50,6 +50,9 @@ def test_bench_command_writes_table_json_and_plot(tmp_path):
         assert c["comm"]["theory_volume_bytes"] == (3 if c["stage"] == "zero3" else 2) * psi * 4
         # the same AdamW on the same global batches: the same loss, up to float rounding
         assert math.isfinite(c["loss"]["final"]), name
+        # one training loss per step taken (warm-up, the instrumented step, the timed ones): an
+        # empty list would make max_train_diff 0.0 and the check below pass without comparing
+        assert len(c["loss"]["train"]) == meta["warmup"] + 1 + meta["steps"], (name, c["loss"]["train"])
         assert c["loss"]["final_diff"] < 1e-4, (name, c["loss"])
         assert c["loss"]["max_train_diff"] < 1e-4, (name, c["loss"])
 
@@ -68,4 +71,9 @@ def test_bench_command_writes_table_json_and_plot(tmp_path):
     assert set(summary["floors"]) == {"ddp", "zero1", "zero2", "zero3"}
     for f in summary["floors"].values():
         assert {"forward_backward_s", "update_s", "comm_s", "total_s", "collectives"} <= set(f)
-        assert f["total_s"] == pytest.approx(f["forward_backward_s"] + f["update_s"] + f["comm_s"], rel=0.5)
+        parts = [f["forward_backward_s"], f["update_s"], f["comm_s"]]
+        # total is the median of per-repetition sums, each part a median of its own: in general
+        # only total >= every part holds; with 2 repetitions each median is a mean, so the
+        # total is the sum of the parts up to float rounding
+        assert f["total_s"] >= max(parts), f
+        assert f["total_s"] == pytest.approx(sum(parts), rel=1e-9), f

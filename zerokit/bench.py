@@ -608,7 +608,7 @@ def _summarize(per_rank, opts, world_size):
             "floor": ("forward/backward of a plain model + fused AdamW of this rank's elements as one flat "
                       "tensor + raw collectives of the theoretical volume on one flat fp32 buffer; timed in the "
                       "same rotation as the stage's configurations; slowest rank per repetition, median"),
-            "loss": "final = eval batch after training (rank 0); diffs against " + BASELINE,
+            "loss": "final = eval batch after training (rank 0); diffs against " + (base["name"] if base else BASELINE),
         },
     }
     return {"meta": meta, "floors": floors, "configs": configs, "ratios": ratios}
@@ -661,6 +661,14 @@ def format_table(summary) -> str:
         "ratios: zerokit / peer of median step time, peak memory (all), model state (parameters + gradients + "
         "optimizer state, own peaks) and comm volume.",
     ]
+    # name the baseline: without torch-ddp (--configs) the first configuration stands in for it
+    base = configs[0]["loss"]["baseline"] if configs else BASELINE
+    lines.append(f"|dloss|: |final eval loss - {base}'s|" + ("" if base == BASELINE else f" ({BASELINE} not run)")
+                 + ".")
+    # the peers' AdamW and the floor's are different implementations: say which row uses which
+    impls = sorted({f["update_impl"] for f in summary["floors"].values()})
+    lines.append("update: torch rows torch.optim.AdamW's default implementation (per-tensor loop on CPU, "
+                 f"foreach on CUDA), zerokit rows zerokit's own AdamW, floor {' / '.join(impls) or '-'}.")
     return "\n".join(lines)
 
 

@@ -76,7 +76,8 @@ def measure(rank, world_size, stage, steps=3, micro_batch=4):
     t0 = time.perf_counter()
     for i in range(steps - 1):
         step(i)
-    step_time = (time.perf_counter() - t0) / max(steps - 1, 1)
+    # the steps before the measured one (the probe and counter slow theirs down); none with steps=1
+    step_time = (time.perf_counter() - t0) / (steps - 1) if steps > 1 else float("nan")
     probe, comm = MemoryProbe(model, opt), CommCounter()
     loss = step(steps - 1, probe, comm)
     gathered = opt.gathered() if stage == "zero3" else nullcontext()
@@ -88,6 +89,7 @@ def measure(rank, world_size, stage, steps=3, micro_batch=4):
         "buffers": buffer_bytes(stage, opt, model), "volume": comm.volume(),
         "sent_bytes": comm.sent_bytes(),
         "calls": comm.table(), "loss": loss, "step_time": step_time, "params": checksum,
+        "max_in_flight": getattr(opt, "max_in_flight", None),
     }
 
 
@@ -201,7 +203,7 @@ def run(world_sizes=(2, 4), steps=3, progress=print):
                 "buffer_moments": {k: w for k, (_, w) in r["buffers"].items()},
                 "theory_plus_buffers": {k: theory[k] + buffers.get(k, 0) for k in CATEGORIES},
                 "volume": r["volume"], "theory_volume": theory_volume(stage, r["psi"]),
-                "sent_bytes": r["sent_bytes"], "step_time": r["step_time"],
+                "sent_bytes": r["sent_bytes"], "step_time": r["step_time"], "max_in_flight": r["max_in_flight"],
                 "max_param_diff_vs_ddp": (r["params"] - reference).abs().max().item(),
                 "ranks_agree": all(torch.equal(res["params"], r["params"]) for res in results),
             })
@@ -237,11 +239,12 @@ def format_buffers(rows):
 
 
 def format_comm(rows):
-    lines = [f"{'N':>2} {'stage':<13}{'comm/step':>10}{'theory':>7}{'max |Δθ|':>10}",
-             f"{'':>2} {'':<13}{'Ψ':>10}{'Ψ':>7}{'vs DP':>10}"]
+    lines = [f"{'N':>2} {'stage':<13}{'comm/step':>10}{'theory':>7}{'max |Δθ|':>10}{'ranks':>8}{'step':>8}",
+             f"{'':>2} {'':<13}{'Ψ':>10}{'Ψ':>7}{'vs DP':>10}{'agree':>8}{'ms':>8}"]
     for r in rows:
         lines.append(f"{r['world_size']:>2} {LABELS[r['stage']]:<13}{r['volume'] / r['psi']:>10.3f}"
-                     f"{r['theory_volume'] / r['psi']:>7.0f}{r['max_param_diff_vs_ddp']:>10.1e}")
+                     f"{r['theory_volume'] / r['psi']:>7.0f}{r['max_param_diff_vs_ddp']:>10.1e}"
+                     f"{'yes' if r['ranks_agree'] else 'NO':>8}{r['step_time'] * 1e3:>8.1f}")
     return "\n".join(lines)
 
 
@@ -277,8 +280,9 @@ def main(argv=None):
           "  stage's structure holds at that moment, below.")
     print("\nbuffers at the peak (derived from buckets, units and their order; measured / (theory + buffer)):")
     print(format_buffers(rows))
+    in_flight = "/".join(str(k) for k in sorted({r["max_in_flight"] for r in rows if r["max_in_flight"]})) or "?"
     print("  ZeRO-2/3 gradients: the reduced shards so far, the full-size flat copy of each bucket whose\n"
-          "  reduce-scatter is still in flight (at most 2), the gradients of the bucket filling (ZeRO-3: and\n"
+          f"  reduce-scatter is still in flight (at most {in_flight}), the gradients of the bucket filling (ZeRO-3: and\n"
           "  of the root unit, sent last). ZeRO-3 parameters: all shards, the root unit (gathered through\n"
           "  forward and backward), and two neighbouring units: the one computing and the one prefetched.\n"
           "  The ratios are 1 to the byte but for ZeRO-3's gradients: the root unit's are counted whole,\n"
@@ -286,9 +290,15 @@ def main(argv=None):
     print()
     print(format_comm(rows))
     print("comm/step: elements per rank, paper convention (all-reduce = 2x); ZeRO-3 is a hair under 3:\n"
-          "  the small root unit is gathered once, not twice. max |Δθ|: parameters after the steps vs DP.")
+          "  the small root unit is gathered once, not twice. max |Δθ|: parameters after the steps vs DP.\n"
+          "  ranks agree: every rank ends with the same parameters, bit for bit. step: rank 0's mean time of\n"
+          "  the steps before the measured one (no probe, no counter; one-time first-step costs included).")
+    disagree = [f"{LABELS[r['stage']]} on {r['world_size']} ranks" for r in rows if not r["ranks_agree"]]
+    print(f"all ranks hold identical parameters: {'no: ' + ', '.join(disagree) if disagree else 'yes'}")
     path = plot(rows, Path(args.out) / "demo_memory.png")
     print(f"figure: {path}   ({time.perf_counter() - t0:.0f} s)")
+    if disagree:  # the stages must keep every rank's replica (or gathered shards) identical
+        raise SystemExit(f"ranks ended with different parameters: {', '.join(disagree)}")
     return rows
 
 

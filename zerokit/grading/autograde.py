@@ -14,7 +14,7 @@ lessons are the assignments of solutions/ (zerokit.grading.lessons.lesson_ids).
    Every process grading starts (the kernel, zerokit's fork server and ranks) carries a
    tag in its environment; when the notebook is done, any tagged process still alive is
    killed, so a hanging or crashing submission leaves nothing behind.
-3. grades.csv: one row per student of the gradebook, a column per lesson total and one per
+3. grades.csv: one row per student graded in this run, a column per lesson total and one per
    graded cell (`lesson:grade_id`). A line per notebook goes to stdout as it finishes, with
    the one-line reason of every test cell that lost points.
 
@@ -345,17 +345,43 @@ def _grade_one(spec):
 # the driver
 
 
-def find_submissions(submissions, lessons=None, students=None):
-    """[(student, lesson)] for every SUBMISSIONS/<student>/<lesson>/ of a known lesson."""
-    known = set(lesson_ids())
-    unknown = set(lessons or ()) - known
+def find_submissions(submissions, lessons=None, students=None, echo=print):
+    """[(student, lesson)] for every SUBMISSIONS/<student>/<lesson>/<lesson>.ipynb of a known lesson.
+
+    Anything else is skipped with one line saying why (through `echo`): a misnamed lesson
+    folder or notebook, or SUBMISSIONS one level off, would otherwise go ungraded unnoticed.
+    Folders left out on purpose (--lesson, --student) and hidden ones are skipped quietly.
+    """
+    known = lesson_ids()
+    unknown = set(lessons or ()) - set(known)
     if unknown:
         raise SystemExit(f"no such lesson in solutions/: {', '.join(sorted(unknown))}")
     wanted = set(lessons or known)
-    return [(sdir.name, ldir.name)
-            for sdir in sorted(Path(submissions).iterdir())
-            if sdir.is_dir() and not sdir.name.startswith(".") and (not students or sdir.name in students)
-            for ldir in sorted(sdir.iterdir()) if ldir.is_dir() and ldir.name in wanted]
+    found = []
+    for sdir in sorted(Path(submissions).iterdir()):
+        if sdir.name.startswith(".") or (students and sdir.name not in students):
+            continue
+        if not sdir.is_dir():
+            echo(f"skipped {sdir}: not a student folder (expected <student>/<lesson>/<lesson>.ipynb)")
+            continue
+        for ldir in sorted(sdir.iterdir()):
+            if ldir.name.startswith(".") or (ldir.name in known and ldir.name not in wanted):
+                continue
+            if not ldir.is_dir() or ldir.name not in known:
+                # a lesson one level up or down means SUBMISSIONS itself is one level off
+                off = ""
+                if sdir.name in known:
+                    off = " (SUBMISSIONS is one level too deep: give the folder holding the students)"
+                elif ldir.is_dir() and any((ldir / lesson).is_dir() for lesson in known):
+                    off = " (SUBMISSIONS is one level too high?)"
+                echo(f"skipped {ldir}: {ldir.name} is not a lesson; lessons are {', '.join(known)}{off}")
+            elif not (ldir / f"{ldir.name}.ipynb").is_file():
+                others = sorted(p.name for p in ldir.glob("*.ipynb"))
+                echo(f"skipped {ldir}: no {ldir.name}.ipynb in it"
+                     + (f" (found {', '.join(others)}: rename it)" if others else ""))
+            else:
+                found.append((sdir.name, ldir.name))
+    return found
 
 
 def tagged_processes(prefix):
@@ -476,7 +502,11 @@ def grade(submissions, lessons=None, students=None, course_dir=ROOT, out=None, j
         raise SystemExit(f"{submissions} is not a folder of submissions (<student>/<lesson>/<lesson>.ipynb)")
     # nbgrader's Gradebook runs `alembic` by name, here and in the graders
     os.environ["PATH"] = nbgrader_env()["PATH"]
-    todo = find_submissions(submissions, lessons, students)
+    todo = find_submissions(submissions, lessons, students, echo)
+    if not todo:
+        raise SystemExit(f"nothing to grade in {submissions}: expected <student>/<lesson>/<lesson>.ipynb"
+                         + (" for the --student/--lesson given" if students or lessons else "")
+                         + f"; lessons are {', '.join(lesson_ids())}")
     options = {"cell_timeout": cell_timeout, "test_timeout": test_timeout, "memory_limit_gb": memory_limit_gb}
     graded_lessons = sorted({lesson for _, lesson in todo})
     course_dir.mkdir(parents=True, exist_ok=True)
@@ -525,7 +555,7 @@ def grade(submissions, lessons=None, students=None, course_dir=ROOT, out=None, j
         leftover = kill_tagged(run_id)
         if leftover:
             echo(f"killed {len(leftover)} leftover grading process(es)")
-    csv_path = write_grades_csv(cfg, out / "grades.csv")
+    csv_path = write_grades_csv(cfg, out / "grades.csv", {s for s, _ in todo})
     echo(f"wrote {csv_path} and feedback in {out / 'feedback'}")
     return results
 
@@ -632,9 +662,13 @@ def _fmt(score):
     return "" if score is None else f"{float(score):g}"
 
 
-def write_grades_csv(cfg, path):
-    """One row per student, one column per lesson total and per graded cell (`lesson:grade_id`).
+def write_grades_csv(cfg, path, students):
+    """One row per student in `students`, one column per lesson total and per graded cell
+    (`lesson:grade_id`).
 
+    Only this run's students get a row: the gradebook also holds every student of earlier
+    runs (the examples of tests/submissions, a class from last term), who do not belong in
+    this grading's CSV. A row still shows every lesson of that student in the gradebook.
     A lesson a student did not submit is left empty, not 0.
     """
     with Gradebook(cfg.CourseDirectory.db_url, cfg.CourseDirectory.course_id) as gb:
@@ -645,11 +679,11 @@ def write_grades_csv(cfg, path):
             names = sorted((gc.name for nb in a.notebooks for gc in nb.grade_cells),
                            key=lambda n: (order.index(n) if n in order else len(order), n))
             header += [a.name] + [f"{a.name}:{n}" for n in names]
-        for student in sorted(gb.students, key=lambda s: s.id):
-            row = {"student": student.id}
+        for student in sorted(students):
+            row = {"student": student}
             for a in assignments:
                 try:
-                    sub = gb.find_submission(a.name, student.id)
+                    sub = gb.find_submission(a.name, student)
                 except MissingEntry:
                     continue
                 row[a.name] = _fmt(sub.score)
