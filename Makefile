@@ -2,7 +2,8 @@
 # Every target installs into .venv first if needed.
 #
 # GPU users: install a CUDA build of the same torch, e.g.
-#   make lab TORCH_INDEX=https://download.pytorch.org/whl/cu128
+#   make lab TORCH_SPEC=torch==2.13.0+cu128 TORCH_INDEX=https://download.pytorch.org/whl/cu128
+# (the +cu128 matters once a CPU build is installed: plain torch==2.13.0 is already satisfied).
 # (or create the conda environment in environment.yml and run with VENV=$CONDA_PREFIX).
 
 PYTHON      ?= python3
@@ -17,6 +18,8 @@ PYTEST_ARGS ?=
 
 BIN   := $(VENV)/bin
 STAMP := $(VENV)/.zerokit-installed
+# one stamp per torch choice: changing TORCH_SPEC or TORCH_INDEX installs again
+TORCH_STAMP := $(VENV)/.torch-$(shell printf '%s' '$(TORCH_SPEC) $(TORCH_INDEX)' | cksum | cut -d' ' -f1)
 
 .PHONY: setup lab demo test lessons grade bench clean help
 
@@ -27,11 +30,16 @@ help:
 	@echo "make bench    zerokit against PyTorch's own ZeRO implementations"
 	@echo "make lessons  regenerate lessons/ from solutions/ (nbgrader)"
 	@echo "make grade    autograde $(SUBMISSIONS)/<student>/<lesson>/ (nbgrader)"
+	@echo "make setup    only install into $(VENV)"
+	@echo "make clean    remove .venv (never a VENV outside the repo) and generated files"
 
 # torch first, pinned, so that installing the package never pulls another build.
-$(STAMP): pyproject.toml
+$(TORCH_STAMP):
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	@rm -f $(VENV)/.torch-* && touch $@
+
+$(STAMP): pyproject.toml $(TORCH_STAMP)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e ".[course,test,dev]"
 	@touch $@
 
@@ -56,4 +64,4 @@ bench: setup
 	$(BIN)/python -m zerokit.bench
 
 clean:
-	rm -rf $(VENV) .pytest_cache gradebook.db autograded feedback release grades.csv bench-results
+	rm -rf $(if $(filter .venv,$(VENV)),$(VENV)) .pytest_cache gradebook.db autograded feedback release grades.csv bench-results
