@@ -26,6 +26,7 @@ and the notebook's process may have rebound it), cached per configuration.
 
 import gc
 import inspect
+import time
 
 import torch
 import torch.distributed as dist
@@ -326,10 +327,17 @@ def _sharded_case(rank, world_size, cls, kind, bucket_numel, steps):
     loss = _loss(kind, model, x, y, rank)
     loss.backward()
     del loss
-    gc.collect()
-    grown = census(model, opt)["total"] - at_rest
     psi = sum(p.numel() for _, p in trainable)
     shard_bytes = 4 * sum(b.shard_numel for b in buckets)
+    # gloo's threads let go of a finished transfer's buffers a moment after wait() returns
+    # (seen once in ~10 runs: a full flat buffer still alive): look again for up to 1 s.
+    # What the optimizer itself keeps stays, however long we wait.
+    for _ in range(20):
+        gc.collect()
+        grown = census(model, opt)["total"] - at_rest
+        if grown <= 1.25 * shard_bytes + 1024:
+            break
+        time.sleep(0.05)
     if grown > 1.25 * shard_bytes + 1024:
         raise AssertionError(
             f"after backward this rank holds {grown} bytes more than at rest; its gradient shard is {shard_bytes} "
