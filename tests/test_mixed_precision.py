@@ -43,7 +43,7 @@ from conftest import run_ranks
 from zerokit.memory import census, theory_bytes
 from zerokit.mixed_precision import LossScaler, MixedPrecision, MixedPrecisionState
 from zerokit.models import TinyTransformer, loss_for, make_batch, num_parameters
-from zerokit.reference import build_model, global_batch
+from zerokit.reference import build_model, global_batch, rank_slice
 
 WORLD = 2
 STAGES = ("ddp", "zero1", "zero2", "zero3")
@@ -106,8 +106,7 @@ def make_opt(stage, model, precision, bug=None):
 
 
 def my_slice(t, rank):
-    micro = t.shape[0] // WORLD
-    return t[rank * micro:(rank + 1) * micro]
+    return rank_slice(t, rank, WORLD)
 
 
 def exp_avg_norm(stage, opt):

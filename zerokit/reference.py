@@ -10,7 +10,8 @@ import torch
 
 from .models import EdgeCaseNet, OddMLP, TinyTransformer, loss_for, make_batch
 
-__all__ = ["MODELS", "build_model", "global_batch", "reference_trajectory", "rank_trajectory", "max_abs_diff"]
+__all__ = ["MODELS", "build_model", "global_batch", "rank_slice", "reference_trajectory", "rank_trajectory",
+           "max_abs_diff"]
 
 MODELS = {
     "mlp": OddMLP,
@@ -27,6 +28,14 @@ def build_model(kind, seed=0):
 
 def global_batch(kind, step, global_batch_size, seed=0):
     return make_batch(kind, global_batch_size, seed=10_000 * seed + step, **_BATCH_KW.get(kind, {}))
+
+
+def rank_slice(t, rank, world_size):
+    """This rank's equal share of a global batch (rows rank*m .. (rank+1)*m - 1)."""
+    micro = t.shape[0] // world_size
+    if micro * world_size != t.shape[0]:
+        raise ValueError(f"a batch of {t.shape[0]} does not split into {world_size} equal micro-batches")
+    return t[rank * micro:(rank + 1) * micro]
 
 
 def _snapshot(model):
@@ -61,13 +70,12 @@ def rank_trajectory(rank, world_size, make_optimizer, kind="mlp", steps=5, globa
     """
     if global_batch_size % world_size:
         raise ValueError(f"global batch {global_batch_size} does not split over {world_size} ranks")
-    micro = global_batch_size // world_size
     model = build_model(kind, seed)
     opt = make_optimizer(model)
     out = []
     for step in range(steps):
         x, y = global_batch(kind, step, global_batch_size, seed)
-        x, y = x[rank * micro:(rank + 1) * micro], y[rank * micro:(rank + 1) * micro]
+        x, y = rank_slice(x, rank, world_size), rank_slice(y, rank, world_size)
         loss = loss_for(kind, model(x), y)
         loss.backward()
         opt.step()

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from ..comm import CommCounter
 from ..ddp import average_gradients as _reference_average_gradients
 from ..models import EdgeCaseNet, OddMLP, TinyTransformer, loss_for, make_batch
+from ..reference import rank_slice
 from .compare import assert_close, max_abs_diff
 from .harness import CheckFailed, passed, run_on_ranks
 
@@ -58,8 +59,7 @@ def _batch(name, step, rank=None, world_size=None):
     x, y = make_batch(kind, GLOBAL_BATCH, seed=202 + step, **_BATCH_KW.get(kind, {}))
     if rank is None:
         return x, y
-    micro = GLOBAL_BATCH // world_size
-    return x[rank * micro:(rank + 1) * micro], y[rank * micro:(rank + 1) * micro]
+    return rank_slice(x, rank, world_size), rank_slice(y, rank, world_size)
 
 
 def _backward(name, model, step, rank=None, world_size=None):

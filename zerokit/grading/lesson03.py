@@ -32,6 +32,7 @@ from ..comm import CommCounter, reduce_scatter
 from ..flat import padded_numel
 from ..flat import shard_range as reference_shard_range
 from ..models import EdgeCaseNet, OddMLP, TinyTransformer, loss_for, make_batch
+from ..reference import rank_slice
 from .compare import assert_close
 from .harness import CheckFailed, passed, run_on_ranks
 
@@ -65,8 +66,7 @@ def _batch(name, step, rank=None, world_size=None):
     x, y = make_batch(kind, GLOBAL_BATCH, seed=303 + step, **_BATCH_KW.get(kind, {}))
     if rank is None:
         return x, y
-    micro = GLOBAL_BATCH // world_size
-    return x[rank * micro:(rank + 1) * micro], y[rank * micro:(rank + 1) * micro]
+    return rank_slice(x, rank, world_size), rank_slice(y, rank, world_size)
 
 
 def _trainable(model):

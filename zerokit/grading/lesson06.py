@@ -32,7 +32,7 @@ from torch.optim import AdamW as _TorchAdamW
 
 from ..mixed_precision import LossScaler, _dtype
 from ..models import loss_for
-from ..reference import build_model, global_batch
+from ..reference import build_model, global_batch, rank_slice
 from .compare import assert_close
 from .harness import CheckFailed, passed, run_on_ranks, torch_adam_allowed
 
@@ -301,11 +301,6 @@ def _check_optimizer_class(cls):
         raise CheckFailed(f"{cls.__name__} is not a torch.optim.Optimizer: keep the scaffold's base class")
 
 
-def _my_slice(t, rank, world_size):
-    micro = GLOBAL_BATCH // world_size
-    return t[rank * micro:(rank + 1) * micro]
-
-
 def _state(opt, attr, i, name):
     seq = getattr(opt, attr, None)
     if not isinstance(seq, (list, tuple)):
@@ -347,7 +342,7 @@ def _train_case(rank, world_size, cls, name, dtype, steps, inject_at):
                                  "its fp32 master copy")
     for step in range(steps):
         x, y = global_batch(kind, step, GLOBAL_BATCH)
-        x, y = _my_slice(x, rank, world_size), _my_slice(y, rank, world_size)
+        x, y = rank_slice(x, rank, world_size), rank_slice(y, rank, world_size)
         if x.is_floating_point():
             x = x.to(params[0].dtype)
         loss = loss_for(kind, model(x).float(), y)
