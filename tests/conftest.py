@@ -6,10 +6,17 @@ zerokit. Multi-rank code runs through zerokit.launch with the forkserver launche
 starts in ~0.1 s) and a timeout, so a deadlock fails the test instead of hanging it.
 """
 
+import json
+import types
+from pathlib import Path
+
+import pytest
 import torch
 
 import zerokit
+from zerokit.grading.harness import CheckFailed
 from zerokit.models import EdgeCaseNet, OddMLP, loss_for, make_batch
+from zerokit.reference import rank_slice  # noqa: F401  (the tests import it from here)
 
 # Seconds a single launch may take before it is killed and the test fails. Generous for
 # a loaded 2-core machine, far below gloo's 30-minute default.
@@ -32,12 +39,6 @@ def new_model(kind, seed=0):
 def batch(kind, step, size, seed=0):
     """The global batch of `step` (deterministic, so every rank and the reference agree)."""
     return make_batch(kind, size, seed=1000 * seed + step + 17)
-
-
-def rank_slice(t, rank, world_size):
-    micro = t.shape[0] // world_size
-    assert micro * world_size == t.shape[0]
-    return t[rank * micro:(rank + 1) * micro]
 
 
 def snapshot(model):
@@ -95,5 +96,43 @@ def close_rel(measured, expected, rel):
     return abs(measured - expected) <= rel * abs(expected)
 
 
+# ---- the grading tests: a notebook's exercise cells, and what a check says about them
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def exercise_module(lesson, folder, grade_ids, prelude="", extra=""):
+    """The named cells of lessons/ or solutions/ <lesson>, executed as one module.
+
+    The module is not in sys.modules, so cloudpickle sends what it defines to the ranks by
+    value, as it does a notebook's classes.
+    """
+    nb = json.loads((ROOT / folder / lesson / f"{lesson}.ipynb").read_text())
+    cells = {c["metadata"].get("nbgrader", {}).get("grade_id"): "".join(c["source"]) for c in nb["cells"]}
+    module = types.ModuleType(f"lesson{lesson[:2]}_{folder}")
+    exec(prelude + "\n\n".join(cells[g] for g in grade_ids) + extra, module.__dict__)
+    return module
+
+
+def fails(check, *args, match, **kwargs):
+    """check(*args) fails with a message containing `match` (or one of a tuple of fragments)."""
+    with pytest.raises(CheckFailed) as info:
+        check(*args, **kwargs)
+    assert any(m in str(info.value) for m in ((match,) if isinstance(match, str) else match)), str(info.value)
+    return str(info.value)
+
+
+def outcome(check, cls, capsys, **kw):
+    """None if the check passed, else the reason it gave."""
+    try:
+        check(cls, **kw)
+    except CheckFailed as exc:  # also what the checks raise before the ranks start (e.g. the class itself)
+        capsys.readouterr()
+        return str(exc)
+    out = capsys.readouterr().out
+    assert out.startswith("✓"), out
+    return None
+
+
 __all__ = ["LAUNCH_TIMEOUT", "run_ranks", "new_model", "batch", "rank_slice", "snapshot", "max_diff",
-           "adamw_reference", "ceil_div", "num_trainable", "close_rel"]
+           "adamw_reference", "ceil_div", "num_trainable", "close_rel", "exercise_module", "fails", "outcome"]

@@ -24,10 +24,7 @@ names the problem, and pass the others: one bug costs its own points only.
 | the untouched student notebook | every check | "NotImplementedError" |
 """
 
-import json
 import sys
-import types
-from pathlib import Path
 
 import cloudpickle
 import pytest
@@ -36,10 +33,10 @@ import torch
 import zerokit
 from zerokit.grading import lesson01
 from zerokit.grading.harness import CheckFailed
+from conftest import exercise_module, fails
 
 pytestmark = pytest.mark.distributed
 
-ROOT = Path(__file__).resolve().parents[1]
 
 # the broken classes below are sent to the check's process by value, like a notebook's
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -47,24 +44,12 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 def notebook_code(folder):
     """The exercise cells of lessons/ or solutions/ 01_adam, executed as one module."""
-    nb = json.loads((ROOT / folder / "01_adam" / "01_adam.ipynb").read_text())
-    cells = {c["metadata"].get("nbgrader", {}).get("grade_id"): "".join(c["source"]) for c in nb["cells"]}
-    module = types.ModuleType(f"lesson01_{folder}")  # not in sys.modules: pickled by value
-    exec("import torch\n\n" + cells["my_adam"] + "\n\n" + cells["model_state_bytes"], module.__dict__)
-    return module
+    return exercise_module("01_adam", folder, ["my_adam", "model_state_bytes"], prelude="import torch\n\n")
 
 
 SOLUTION = notebook_code("solutions")
 STUDENT = notebook_code("lessons")
 Solution = SOLUTION.MyAdam
-
-
-def fails(check, *args, match, **kwargs):
-    """check(*args) fails with a message containing `match`."""
-    with pytest.raises(CheckFailed) as info:
-        check(*args, **kwargs)
-    assert match in str(info.value), str(info.value)
-    return str(info.value)
 
 
 # the released stubs raise NotImplementedError(); the reason must say so

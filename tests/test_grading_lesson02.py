@@ -27,10 +27,7 @@ And the isolation: a class whose step() calls a summing average_gradients passes
 checks, because they swap in zerokit's function (exercise (a) already cost its points).
 """
 
-import json
 import sys
-import types
-from pathlib import Path
 
 import cloudpickle
 import pytest
@@ -40,11 +37,10 @@ import torch.distributed as dist
 import zerokit
 from zerokit.adam import Adam
 from zerokit.grading import lesson02
-from zerokit.grading.harness import CheckFailed
+from conftest import exercise_module, fails
 
 pytestmark = pytest.mark.distributed
 
-ROOT = Path(__file__).resolve().parents[1]
 PRELUDE = """
 import torch
 import torch.distributed as dist
@@ -58,12 +54,7 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 def notebook_code(folder, extra=""):
     """The exercise cells of lessons/ or solutions/ 02_distributed_adam, executed as one module."""
-    nb = json.loads((ROOT / folder / LESSON / f"{LESSON}.ipynb").read_text())
-    cells = {c["metadata"].get("nbgrader", {}).get("grade_id"): "".join(c["source"]) for c in nb["cells"]}
-    module = types.ModuleType(f"lesson02_{folder}")  # not in sys.modules: pickled by value
-    exec(PRELUDE + "\n\n".join(cells[g] for g in ("average_gradients", "distributed_adam_class")) + extra,
-         module.__dict__)
-    return module
+    return exercise_module(LESSON, folder, ["average_gradients", "distributed_adam_class"], PRELUDE, extra)
 
 
 SOLUTION = notebook_code("solutions")
@@ -77,14 +68,6 @@ CHECKS = {
     "numerics": lambda cls: lesson02.check_ddp_numerics(cls, world_size=2, model="mlp"),
     "collectives": lambda cls: lesson02.check_ddp_collectives(cls, world_size=2, model="mlp"),
 }
-
-
-def fails(check, *args, match, **kwargs):
-    """check(*args) fails with a message containing `match` (or one of a tuple of fragments)."""
-    with pytest.raises(CheckFailed) as info:
-        check(*args, **kwargs)
-    assert any(m in str(info.value) for m in ((match,) if isinstance(match, str) else match)), str(info.value)
-    return str(info.value)
 
 
 # ---------------------------------------------------------------------------------------

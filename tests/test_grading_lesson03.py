@@ -23,10 +23,7 @@ message that names the problem, and pass the others: one bug costs its own point
 | the untouched student notebook | every check | "NotImplementedError" |
 """
 
-import json
 import sys
-import types
-from pathlib import Path
 
 import cloudpickle
 import pytest
@@ -36,9 +33,8 @@ import torch.distributed as dist
 import zerokit
 from zerokit.adam import adamw_update_
 from zerokit.grading import lesson03
-from zerokit.grading.harness import CheckFailed
+from conftest import exercise_module, fails
 
-ROOT = Path(__file__).resolve().parents[1]
 PRELUDE = """
 import torch
 import torch.distributed as dist
@@ -52,24 +48,12 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 def notebook_code(folder, grade_ids):
     """The named cells of lessons/ or solutions/ 03_zero1, executed as one module."""
-    nb = json.loads((ROOT / folder / "03_zero1" / "03_zero1.ipynb").read_text())
-    cells = {c["metadata"].get("nbgrader", {}).get("grade_id"): "".join(c["source"]) for c in nb["cells"]}
-    module = types.ModuleType(f"lesson03_{folder}")  # not in sys.modules: pickled by value
-    exec(PRELUDE + "\n\n".join(cells[g] for g in grade_ids), module.__dict__)
-    return module
+    return exercise_module("03_zero1", folder, grade_ids, PRELUDE)
 
 
 SOLUTION = notebook_code("solutions", ["shard_range", "zero1_class"])
 STUDENT = notebook_code("lessons", ["shard_range", "zero1_class"])
 Solution = SOLUTION.MyZeRO1Adam
-
-
-def fails(check, *args, match, **kwargs):
-    """check(*args) fails with a message containing `match` (or one of a tuple of fragments)."""
-    with pytest.raises(CheckFailed) as info:
-        check(*args, **kwargs)
-    assert any(m in str(info.value) for m in ((match,) if isinstance(match, str) else match)), str(info.value)
-    return str(info.value)
 
 
 # the released stubs raise NotImplementedError(); the reason must say so

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import zerokit
 from zerokit.comm import reduce_scatter
 from zerokit.grading import lesson04
-from zerokit.grading.harness import CheckFailed
+from conftest import outcome
 
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTION = ROOT / "solutions" / "04_zero2" / "04_zero2.ipynb"
@@ -254,18 +254,6 @@ BUGS = {
 MAY_ALSO_FAIL = {SumNotMean: {"unused_parameters", "accumulation"}}
 # a bug that may hang the ranks is stopped sooner than a student's would be
 SHORT_TIMEOUT = 20.0
-
-
-def outcome(check, cls, capsys, **kw):
-    """None if the check passed, else the reason it gave."""
-    try:
-        check(cls, **kw)
-    except CheckFailed as exc:  # also what the checks raise before the ranks start (e.g. the class itself)
-        capsys.readouterr()
-        return str(exc)
-    out = capsys.readouterr().out
-    assert out.startswith("✓"), out
-    return None
 
 
 @pytest.mark.distributed

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import zerokit
 from zerokit.comm import all_gather
 from zerokit.grading import lesson05
-from zerokit.grading.harness import CheckFailed
+from conftest import outcome
 
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTION = ROOT / "solutions" / "05_zero3" / "05_zero3.ipynb"
@@ -291,18 +291,6 @@ HOOK_BUGS = {
 }
 # a bug that may hang the ranks is stopped sooner than a student's would be
 SHORT_TIMEOUT = 20.0
-
-
-def outcome(check, cls, capsys, **kw):
-    """None if the check passed, else the reason it gave."""
-    try:
-        check(cls, **kw)
-    except CheckFailed as exc:  # also what the checks raise before the ranks start (e.g. the class itself)
-        capsys.readouterr()
-        return str(exc)
-    out = capsys.readouterr().out
-    assert out.startswith("✓"), out
-    return None
 
 
 def _expect(bug, checks, failing, capsys):

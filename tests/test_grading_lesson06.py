@@ -18,10 +18,7 @@ with a message naming the problem, and pass the others: one bug costs its own po
 | the untouched student notebook | every check | "NotImplementedError" |
 """
 
-import json
 import sys
-import types
-from pathlib import Path
 
 import cloudpickle
 import pytest
@@ -30,11 +27,10 @@ import torch.distributed as dist
 
 from zerokit.adam import adamw_update_
 from zerokit.grading import lesson06
-from zerokit.grading.harness import CheckFailed
+from conftest import exercise_module, fails
 
 pytestmark = pytest.mark.distributed
 
-ROOT = Path(__file__).resolve().parents[1]
 LESSON = "06_mixed_precision"
 PRELUDE = """
 import torch
@@ -47,11 +43,7 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 def notebook_code(folder, grade_ids):
-    nb = json.loads((ROOT / folder / LESSON / f"{LESSON}.ipynb").read_text())
-    cells = {c["metadata"].get("nbgrader", {}).get("grade_id"): "".join(c["source"]) for c in nb["cells"]}
-    module = types.ModuleType(f"lesson06_{folder}")  # not in sys.modules: pickled by value
-    exec(PRELUDE + "\n\n".join(cells[g] for g in grade_ids), module.__dict__)
-    return module
+    return exercise_module(LESSON, folder, grade_ids, PRELUDE)
 
 
 SOLUTION = notebook_code("solutions", ["loss_scaler", "master_adam"])
@@ -70,13 +62,6 @@ OPTIMIZER_CHECKS = {
     "master_update": lambda cls: lesson06.check_master_update(cls, world_size=2, model="mlp", dtype="bf16"),
     "overflow_step": lambda cls: lesson06.check_overflow_step(cls, world_size=2, model="mlp"),
 }
-
-
-def fails(check, *args, match, **kwargs):
-    with pytest.raises(CheckFailed) as info:
-        check(*args, **kwargs)
-    assert any(m in str(info.value) for m in ((match,) if isinstance(match, str) else match)), str(info.value)
-    return str(info.value)
 
 
 @pytest.mark.timeout(60)
