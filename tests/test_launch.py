@@ -23,12 +23,12 @@ def _workers_alive():
         cmd = " ".join(p.info["cmdline"] or [])
         if p.info["status"] == psutil.STATUS_ZOMBIE:
             continue
-        if "zerokit._worker" in cmd or ("torch.distributed.run" in cmd and "zerokit" in cmd):
+        if "zerokit.launcher.worker" in cmd or ("torch.distributed.run" in cmd and "zerokit" in cmd):
             alive.append(p.pid)
-    from zerokit import _forkserver
+    from zerokit.launcher import forkserver
 
-    if _forkserver._server is not None and _forkserver._server.poll() is None:
-        for kid in psutil.Process(_forkserver._server.pid).children():
+    if forkserver._server is not None and forkserver._server.poll() is None:
+        for kid in psutil.Process(forkserver._server.pid).children():
             try:
                 if kid.status() != psutil.STATUS_ZOMBIE:
                     alive.append(kid.pid)
@@ -243,7 +243,7 @@ def test_describe_frames_names_the_users_line_not_zerokit_helpers():
         (torch_file, 3000, "all_gather"),
         (comm_file, 50, "all_gather"),
         ("/tmp/ipykernel_123/456.py", 7, "step"),
-        (f"{sep}repo{sep}zerokit{sep}_worker.py", 129, "main"),
+        (f"{sep}repo{sep}zerokit{sep}launcher{sep}worker.py", 129, "main"),
     ]
     assert describe_frames(frames) == ("all_gather", "your cell, line 7, in step")
     frames[2] = (f"{sep}home{sep}me{sep}train.py", 12, "step")
@@ -266,7 +266,7 @@ def test_torchrun_that_cannot_start_is_a_launch_error(monkeypatch):
 def test_a_dead_fork_server_is_a_launch_error(monkeypatch):
     import io
 
-    from zerokit import _forkserver
+    from zerokit.launcher import forkserver
 
     class DeadPipe(io.StringIO):
         def write(self, text):
@@ -275,6 +275,6 @@ def test_a_dead_fork_server_is_a_launch_error(monkeypatch):
     class DeadServer:
         stdin, stdout = DeadPipe(), io.StringIO("")
 
-    monkeypatch.setattr(_forkserver, "server", lambda pythonpath: DeadServer())
+    monkeypatch.setattr(forkserver, "server", lambda pythonpath: DeadServer())
     with pytest.raises(LaunchError, match="fork server stopped answering"):
         zerokit.launch(_sum_ranks, world_size=2, args=(1,), launcher="forkserver", backend="gloo")

@@ -6,7 +6,7 @@ How it works, in the order things happen:
 1. `fn` and `args` are pickled *by value* with cloudpickle, so a function or class defined
    in a notebook cell reaches the workers (plain pickle would look it up by name in
    `__main__` and fail).
-2. `torchrun --standalone --nproc-per-node N -m zerokit._worker RUN_DIR` starts the ranks.
+2. `torchrun --standalone --nproc-per-node N -m zerokit.launcher.worker RUN_DIR` starts the ranks.
    Each worker initialises the process group (gloo on CPU, NCCL with one GPU per rank),
    calls `fn`, and writes `rank<r>.result` (the value, or the exception and its traceback).
    Its stdout and stderr go to files that this process prints with a `[rank r]` prefix on
@@ -35,7 +35,7 @@ from pathlib import Path
 
 import cloudpickle
 
-__all__ = ["launch", "LaunchError", "LaunchTimeout", "resolve_backend", "rank_device"]
+__all__ = ["launch", "LaunchError", "LaunchTimeout", "resolve_backend", "rank_device", "describe_frames"]
 
 # Public collectives a user calls; used to name what a stuck or failed rank was doing.
 COLLECTIVES = (
@@ -254,13 +254,13 @@ def launch(
 
 
 def _pythonpath():
-    """PYTHONPATH for child processes: this package first, so `-m zerokit._worker` resolves."""
-    root = str(Path(__file__).resolve().parent.parent)
+    """PYTHONPATH for child processes: this package first, so `-m zerokit.launcher.worker` resolves."""
+    root = str(Path(__file__).resolve().parents[2])
     return os.pathsep.join([root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
 
 
 class _TorchrunJob:
-    """torchrun --standalone --nproc-per-node N -m zerokit._worker RUN_DIR"""
+    """torchrun --standalone --nproc-per-node N -m zerokit.launcher.worker RUN_DIR"""
 
     def __init__(self, run_dir, world_size, worker_env):
         self.run_dir, self.world_size = run_dir, world_size
@@ -272,7 +272,7 @@ class _TorchrunJob:
             sys.executable, "-m", "torch.distributed.run",
             "--standalone", f"--nproc-per-node={self.world_size}", "--max-restarts=0",
             "--monitor-interval=0.1",
-            "-m", "zerokit._worker", str(self.run_dir),
+            "-m", "zerokit.launcher.worker", str(self.run_dir),
         ]
         with open(self.run_dir / "launcher.log", "wb") as log:
             try:
@@ -315,16 +315,16 @@ class _TorchrunJob:
 
 
 class _ForkedJob:
-    """Ranks forked from zerokit._forkserver; rendezvous through a file in RUN_DIR."""
+    """Ranks forked from zerokit.launcher.forkserver; rendezvous through a file in RUN_DIR."""
 
     def __init__(self, run_dir, world_size, worker_env):
         self.run_dir, self.world_size = run_dir, world_size
 
     def start(self, ranks):
-        from . import _forkserver
+        from . import forkserver
 
         try:
-            server = _forkserver.server(_pythonpath())
+            server = forkserver.server(_pythonpath())
         except RuntimeError as exc:
             raise LaunchError(str(exc)) from exc
         try:
@@ -564,7 +564,7 @@ def describe_frames(frames):
         in_zerokit = f"{os.sep}zerokit{os.sep}" in filename
         if collective is None and in_torch and func in COLLECTIVES:
             collective = func
-        if user is not None or in_torch or filename.endswith(("_worker.py", "launcher.py", "_forkserver.py")):
+        if user is not None or in_torch or f"{os.sep}zerokit{os.sep}launcher{os.sep}" in filename:
             continue
         if "ipykernel" in filename or filename.startswith("<"):
             user = f"your cell, line {lineno}, in {func}"

@@ -5,7 +5,7 @@ rank. This server pays it once per Python session; each rank is then a fork (mil
 It has run no torch op, so no OpenMP or CUDA state is copied into the children.
 
 Protocol, one line per request on stdin: "RUN_DIR RANK WORLD_SIZE". For each it forks a
-worker (in a new session, so it can be killed as a group) that runs zerokit._worker.main
+worker (in a new session, so it can be killed as a group) that runs zerokit.launcher.worker.main
 with torchrun's environment variables set, and answers "PID" on stdout. When a worker
 exits, its status goes to RUN_DIR/rank<r>.exit. EOF on stdin (the parent died) ends it.
 """
@@ -60,9 +60,9 @@ def _child(run_dir, rank, world_size):
     )
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     sys.stdin.close()
-    from zerokit import _worker
+    from . import worker
 
-    _worker.main(run_dir)  # ends with os._exit
+    worker.main(run_dir)  # ends with os._exit
 
 
 def main():
@@ -105,7 +105,7 @@ def server(pythonpath):
     global _server
     if _server is None or _server.poll() is not None:
         _server = subprocess.Popen(
-            [sys.executable, "-m", "zerokit._forkserver"],
+            [sys.executable, "-m", "zerokit.launcher.forkserver"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
             env={**os.environ, "PYTHONPATH": pythonpath}, text=True, start_new_session=True,
         )

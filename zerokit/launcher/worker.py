@@ -1,4 +1,4 @@
-"""One rank of a `zerokit.launch` job; torchrun runs `python -m zerokit._worker RUN_DIR`.
+"""One rank of a `zerokit.launch` job; torchrun runs `python -m zerokit.launcher.worker RUN_DIR`.
 
 The files it leaves in RUN_DIR are the whole protocol with the launching process:
 rank<r>.pid (written first), rank<r>.out (stdout and stderr), rank<r>.stack (a stack dump
@@ -50,7 +50,7 @@ def _error_info(exc, cloudpickle):
     from zerokit.launcher import describe_frames
 
     frames = [(f.filename, f.lineno, f.name) for f in traceback.extract_tb(exc.__traceback__)]
-    frames = [f for f in frames if not f[0].endswith("_worker.py")]
+    frames = [f for f in frames if f[0] != __file__]
     collective, user = describe_frames(list(reversed(frames)))
     try:
         pickled = cloudpickle.loads(cloudpickle.dumps(exc))
