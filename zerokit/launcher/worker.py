@@ -15,6 +15,8 @@ import traceback
 from datetime import timedelta
 from pathlib import Path
 
+from .frames import describe_frames
+
 
 def _watch_parent(pid):
     """Exit if the process that called launch() dies, so a killed notebook leaves no orphans."""
@@ -47,8 +49,6 @@ def _write_atomic(path, data):
 
 
 def _error_info(exc, cloudpickle):
-    from zerokit.launcher import describe_frames
-
     frames = [(f.filename, f.lineno, f.name) for f in traceback.extract_tb(exc.__traceback__)]
     frames = [f for f in frames if f[0] != __file__]
     collective, user = describe_frames(list(reversed(frames)))
