@@ -1,6 +1,7 @@
 """zerokit.launch: results, errors named by rank, hangs stopped in time, no orphans, no stderr."""
 
 import os
+import sys
 import time
 
 import psutil
@@ -17,11 +18,16 @@ LAUNCHERS = ["forkserver", "torchrun"]
 
 
 def _workers_alive():
-    """Worker processes of ours still running (the long-lived fork server itself excluded)."""
+    """Worker processes of ours still running (the long-lived fork server itself excluded).
+
+    Ours: started with this interpreter. The machine may be shared with other checkouts
+    running their own tests, whose torchrun jobs are none of this test's business.
+    """
     alive = []
     for p in psutil.process_iter(["cmdline", "status"]):
-        cmd = " ".join(p.info["cmdline"] or [])
-        if p.info["status"] == psutil.STATUS_ZOMBIE:
+        argv = p.info["cmdline"] or []
+        cmd = " ".join(argv)
+        if p.info["status"] == psutil.STATUS_ZOMBIE or not argv or argv[0] != sys.executable:
             continue
         if "zerokit.launcher.worker" in cmd or ("torch.distributed.run" in cmd and "zerokit" in cmd):
             alive.append(p.pid)
