@@ -31,10 +31,11 @@ def _workers_alive():
             continue
         if "zerokit.launcher.worker" in cmd or ("torch.distributed.run" in cmd and "zerokit" in cmd):
             alive.append(p.pid)
-    from zerokit.launcher import forkserver
+    from zerokit.launcher import forkclient
 
-    if forkserver._server is not None and forkserver._server.poll() is None:
-        for kid in psutil.Process(forkserver._server.pid).children():
+    server = forkclient.running_server()
+    if server is not None:
+        for kid in psutil.Process(server.pid).children():
             try:
                 if kid.status() != psutil.STATUS_ZOMBIE:
                     alive.append(kid.pid)
@@ -271,16 +272,102 @@ def test_torchrun_that_cannot_start_is_a_launch_error(monkeypatch):
 
 def test_a_dead_fork_server_is_a_launch_error(monkeypatch):
     import io
+    import tempfile
 
-    from zerokit.launcher import forkserver
+    from zerokit.launcher import forkclient
 
     class DeadPipe(io.StringIO):
         def write(self, text):
             raise BrokenPipeError(32, "Broken pipe")
 
-    class DeadServer:
+    class DeadProcess:
+        pid = -1
         stdin, stdout = DeadPipe(), io.StringIO("")
 
-    monkeypatch.setattr(forkserver, "server", lambda pythonpath: DeadServer())
-    with pytest.raises(LaunchError, match="fork server stopped answering"):
+        def poll(self):
+            return -9
+
+    stderr = tempfile.TemporaryFile()
+    stderr.write(b"Fatal Python error: Segmentation fault\n")
+    stderr.flush()
+    dead = forkclient.ForkServer(DeadProcess(), stderr)
+    monkeypatch.setattr(forkclient, "server", lambda pythonpath: dead)
+    with pytest.raises(LaunchError, match="fork server stopped answering") as info:
         zerokit.launch(_sum_ranks, world_size=2, args=(1,), launcher="forkserver", backend="gloo")
+    assert "Segmentation fault" in str(info.value)  # its stderr, quoted
+    stderr.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_fork_server_that_cannot_start_says_why(monkeypatch):
+    import zerokit.launcher.forkclient as forkclient
+
+    # hide this process's running server (monkeypatch puts it back), then start a broken one
+    monkeypatch.setattr(zerokit, forkclient._HANDLE, None, raising=False)
+    monkeypatch.setattr(forkclient, "SERVER_MODULE", "zerokit.no_such_module")
+    with pytest.raises(LaunchError) as info:
+        zerokit.launch(_sum_ranks, world_size=2, args=(1,), launcher="forkserver", backend="gloo")
+    message = str(info.value)
+    assert "fork server exited (exit code 1) before it was ready" in message
+    assert "No module named zerokit.no_such_module" in message  # the tail of its stderr
+    assert getattr(zerokit, forkclient._HANDLE) is None  # a failed server is not kept
+
+
+def test_a_fork_server_that_never_says_ready_is_stopped_in_time():
+    from zerokit.launcher.forkclient import ForkServer
+
+    marker = "zerokit-test-silent-server"
+    command = [sys.executable, "-c", f"import sys, time; print('{marker}', file=sys.stderr, flush=True); "
+                                     "time.sleep(600)"]
+    t0 = time.perf_counter()
+    with pytest.raises(RuntimeError, match=r"did not say it was ready within 2 s(.|\n)*" + marker):
+        ForkServer.start(command, dict(os.environ), ready_within=2)
+    assert time.perf_counter() - t0 < 10
+    left = [p for p in psutil.Process().children() if marker in " ".join(p.cmdline())]
+    assert left == []  # killed, not left sleeping
+
+
+# What the notebooks' hidden test cells do before each check: drop every zerokit.grading and
+# zerokit.launcher module and import them afresh. Run in a process of its own, like a kernel.
+_REIMPORT = """
+import importlib, json, sys
+import psutil
+import zerokit
+from zerokit.launcher import forkclient
+
+def servers():
+    return [p.pid for p in psutil.Process().children() if forkclient.SERVER_MODULE in " ".join(p.cmdline())]
+
+assert zerokit.launch(lambda r, n: r, world_size=2, launcher="forkserver", echo=False) == [0, 1]
+first = forkclient.running_server().pid
+for _m in [m for m in sys.modules if m.startswith(("zerokit.grading", "zerokit.launcher"))]:
+    del sys.modules[_m]
+launcher = importlib.import_module("zerokit.launcher")
+assert launcher.launch(lambda r, n: 10 * r, world_size=2, launcher="forkserver", echo=False) == [0, 10]
+importlib.import_module("zerokit.grading.harness")  # the checks launch through zerokit.launcher
+assert zerokit.launch(lambda r, n: 20 * r, world_size=2, launcher="forkserver", echo=False) == [0, 20]
+fresh = importlib.import_module("zerokit.launcher.forkclient")
+print(json.dumps({"first": first, "after": fresh.running_server().pid, "servers": servers(),
+                  "fresh_module": fresh is not forkclient}))
+"""
+
+
+@pytest.mark.timeout(180)
+def test_reimporting_the_launcher_keeps_the_one_fork_server():
+    import json
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-c", _REIMPORT], capture_output=True, text=True, timeout=150)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == ""
+    seen = json.loads(done.stdout.splitlines()[-1])
+    assert seen["fresh_module"]  # the re-import really made new modules
+    assert seen["after"] == seen["first"]  # ... and they found the server already running
+    assert seen["servers"] == [seen["first"]]  # one server, not one per import
+    # and it ends with the process that started it (EOF on its stdin)
+    from zerokit.launcher.processes import alive
+
+    end = time.monotonic() + 15
+    while time.monotonic() < end and alive(seen["first"]):
+        time.sleep(0.1)
+    assert not alive(seen["first"])

@@ -6,6 +6,8 @@ The files, from the entry point down (each imports only the ones below it):
                    it, hand back the results or raise
     report.py      what the ranks left behind -> one readable exception naming the rank
     jobs.py        the two ways to start the ranks: torchrun, or forks of the fork server
+    forkclient.py  the launching side of the fork server: start it, ask it for ranks; one
+                   per Python process, even when this package is imported afresh
     forkserver.py  the fork server process: imports torch once, forks each rank from it
     ranks.py       the launching side's view of each rank, read from the files it writes
     processes.py   is a process alive, how much memory it holds, killing process groups

@@ -1,5 +1,7 @@
 """A pre-warmed process that forks launch() workers: torch is imported once, not per rank.
 
+Run as `python -m zerokit.launcher.forkserver` by forkclient.py, which holds the other end.
+
 `import torch` costs about 2 s of CPU, and torchrun pays it once for its agent and once per
 rank. This server pays it once per Python session; each rank is then a fork (milliseconds).
 It has run no torch op, so no OpenMP or CUDA state is copied into the children.
@@ -13,7 +15,6 @@ exits, its status goes to RUN_DIR/rank<r>.exit. EOF on stdin (the parent died) e
 import json
 import os
 import signal
-import subprocess
 import sys
 
 import torch  # noqa: F401  (the point of this process: imported once, inherited by forks)
@@ -90,28 +91,6 @@ def main():
     # down torch and ~800 sympy modules, seconds on a busy machine, while the grader's sweep
     # for leftover processes waits.
     os._exit(0)
-
-
-# ---- the client side, used by zerokit.launch -------------------------------------------
-# The handle lives here rather than in zerokit.launch so that a grader which re-imports
-# zerokit.launch and zerokit.grading (to undo anything a notebook did to them) keeps
-# the running server instead of paying for a new one.
-
-_server = None
-
-
-def server(pythonpath):
-    """The running fork server of this Python process, started on first use."""
-    global _server
-    if _server is None or _server.poll() is not None:
-        _server = subprocess.Popen(
-            [sys.executable, "-m", "zerokit.launcher.forkserver"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-            env={**os.environ, "PYTHONPATH": pythonpath}, text=True, start_new_session=True,
-        )
-        if _server.stdout.readline().strip() != "ready":
-            raise RuntimeError("the zerokit fork server did not start")
-    return _server
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+from . import forkclient
 from .errors import LaunchError
 from .processes import kill_groups, signal_group
 from .ranks import read_text
@@ -89,25 +90,21 @@ class TorchrunJob:
 
 
 class ForkedJob:
-    """Ranks forked from the fork server (forkserver.py); rendezvous through a file in RUN_DIR."""
+    """Ranks forked from the fork server (forkclient.py, forkserver.py); rendezvous through a file in RUN_DIR."""
 
     def __init__(self, run_dir, world_size, worker_env):
         self.run_dir, self.world_size = run_dir, world_size
 
     def start(self, ranks):
-        from . import forkserver
-
         try:
-            server = forkserver.server(pythonpath())
+            server = forkclient.server(pythonpath())
         except RuntimeError as exc:
             raise LaunchError(str(exc)) from exc
         try:
             for r in ranks:
-                server.stdin.write(f"{self.run_dir} {r.rank} {self.world_size}\n")
-                server.stdin.flush()
-                r.pid = int(server.stdout.readline())
+                r.pid = server.fork(self.run_dir, r.rank, self.world_size)
         except (OSError, ValueError) as exc:  # the server died: a broken pipe, or EOF ("")
-            raise LaunchError(f"the zerokit fork server stopped answering: {exc!r}") from exc
+            raise LaunchError(f"the zerokit fork server stopped answering: {exc!r}{server.stderr_tail()}") from exc
 
     def done(self, ranks):
         return all(r.result or r.file("exit").exists() for r in ranks)
