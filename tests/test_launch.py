@@ -300,7 +300,7 @@ def test_a_dead_fork_server_is_a_launch_error(monkeypatch):
 
 @pytest.mark.timeout(120)
 def test_a_fork_server_that_cannot_start_says_why(monkeypatch):
-    import zerokit.launcher.forkclient as forkclient
+    from zerokit.launcher import forkclient
 
     # hide this process's running server (monkeypatch puts it back), then start a broken one
     monkeypatch.setattr(zerokit, forkclient._HANDLE, None, raising=False)
