@@ -50,8 +50,7 @@ def _write_atomic(path, data):
 
 def _error_info(exc, cloudpickle):
     frames = [(f.filename, f.lineno, f.name) for f in traceback.extract_tb(exc.__traceback__)]
-    frames = [f for f in frames if f[0] != __file__]
-    collective, user = describe_frames(list(reversed(frames)))
+    collective, user = describe_frames(list(reversed(frames)))  # it skips this file's frames
     try:
         pickled = cloudpickle.loads(cloudpickle.dumps(exc))
     except Exception:
