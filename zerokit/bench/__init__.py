@@ -69,7 +69,6 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -779,10 +778,3 @@ def main(argv=None):
     print(f"wrote {', '.join(summary['files'].values())} in {time.perf_counter() - t0:.0f} s")
     return 0
 
-
-if __name__ == "__main__":
-    # run the module's importable twin, so that the workers receive `zerokit.bench._worker`
-    # by reference (cloudpickle would copy a __main__ function and its globals by value)
-    from zerokit.bench import main as _main
-
-    sys.exit(_main())
