@@ -1,6 +1,6 @@
 """`make demo`: what each stage holds and sends per rank, measured beside the ZeRO paper's theory.
 
-    python -m zerokit.demo [--world-sizes 2 4] [--out bench-results]
+    python -m zerokit.bench.demo [--world-sizes 2 4] [--out bench-results]
 
 For data parallel Adam and ZeRO-1/2/3 on N ranks (gloo on CPU) it trains a small
 transformer for a few steps and measures, per rank:
@@ -252,7 +252,7 @@ def plot(rows, path):
     import matplotlib
 
     matplotlib.use("Agg")
-    from .figures import memory_bars
+    from zerokit.figures import memory_bars
 
     bars = [(f"{LABELS[r['stage']]}\nN={r['world_size']}", r["measured"], r["theory"]["total"]) for r in rows]
     fig = memory_bars(bars, title=f"model state per rank at its peak, Ψ = {rows[0]['psi'] / 1e6:.2f} M parameters (fp32)")
