@@ -2,6 +2,7 @@ r"""zerokit against PyTorch's own ZeRO implementations, on one model, one data s
 
     python -m zerokit.bench                          # world size 2, the small transformer
     python -m zerokit.bench --world-size 4 --model medium --steps 50
+    python -m zerokit.bench.demo                     # `make demo`: zerokit's stages beside the paper
 
 Each stage (data parallel, ZeRO-1, ZeRO-2, ZeRO-3) runs twice: as zerokit's optimizer and as
 its PyTorch peer (DDP + AdamW, ZeroRedundancyOptimizer, FSDP2). All run in one
@@ -29,6 +30,12 @@ measures and how):
     cli.py         main(): the command line; __main__.py runs it
 
 Output: the table on stdout, `bench-results/bench-ws<N>.json` and `bench-ws<N>.png`.
+
+The demo measures zerokit's stages alone, beside the ZeRO paper's theory
+(`bench-results/demo_memory.png`):
+
+    demo.py        `make demo`: memory by category at rest and at its peak, traffic per step
+    buffers.py     what ZeRO-2/3 hold beyond the paper's table, derived from buckets and units
 
 This file imports nothing: importing one module of the package (the demo's workers import
 the stage factory) should not pay for FSDP and the rest of the bench.
