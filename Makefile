@@ -49,7 +49,7 @@ lab: setup
 	$(BIN)/jupyter lab --ServerApp.root_dir=lessons --port=$(PORT)
 
 demo: setup
-	$(BIN)/python -m zerokit.demo
+	$(BIN)/python -m zerokit.bench.demo
 
 test: setup
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

@@ -187,7 +187,7 @@ def test_census_writes_no_warning():
 
 def probe_worker(rank, world_size):
     """One probed step per stage (after a first, unprobed one): at-rest and peak census."""
-    from zerokit.demo import buffer_bytes
+    from zerokit.bench.buffers import buffer_bytes
 
     out = {}
     for stage in ("zero1", "zero2", "zero3"):
@@ -218,7 +218,7 @@ def probe_worker(rank, world_size):
 def test_probe_at_rest_and_peak_match_stage_theory():
     """MemoryProbe on 2 ranks. At rest (right after step(), nothing in transit) each category
     is the paper's figure, up to padding. At its peak each category is the paper's figure
-    plus the buffers zerokit.demo.buffer_bytes derives from the stage's buckets and units:
+    plus the buffers zerokit.bench.buffers.buffer_bytes derives from the stage's buckets and units:
     ZeRO-2's reduce-scatters in flight (their flat inputs and output shards are gradients),
     ZeRO-3's gathered and prefetched units (parameters, also while the all-gather is in flight).
     """

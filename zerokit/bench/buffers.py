@@ -1,0 +1,93 @@
+"""What ZeRO-2 and ZeRO-3 hold beyond the ZeRO paper's table, derived from their structure.
+
+The demo prints these buffers beside what zerokit.memory.MemoryProbe measured, and
+tests/test_memory.py checks the probe against them. They are computed from the optimizer's
+buckets, units and the order its units ran in, so they read those internals: `opt.buckets`
+(each bucket's numel, numels, shard_numel, padded_numel and, under ZeRO-3, unit),
+`opt.world_size`, `opt.max_in_flight`, `opt.units`, `opt._order` and `opt._last_order`.
+"""
+
+FP32 = 4  # bytes per element: the demo trains in fp32
+
+
+def buffer_bytes(stage, opt, model=None):
+    """What a stage holds at each category's peak beyond the paper's table, from its structure.
+
+    Returns {category: (bytes, the moment of the peak in words)}. Derived from the buckets,
+    the units and the order they run in, not from a measurement, so measured / (theory +
+    buffers) checks an understanding of what is alive when:
+
+    - ZeRO-2, gradients (`gradient_peak`): buckets fill and are sent in order during
+      backward, and up to `max_in_flight` reduce-scatters stay in flight, each holding its
+      bucket's full-size flat copy (the input) beside the reduced shard (the output).
+    - ZeRO-3, parameters (`gathered_peak`): besides every unit's shard, the root unit stays
+      gathered from forward to the end of backward, and while one unit computes the next
+      (in forward order, or the previous one in backward) is being gathered (prefetch).
+    - ZeRO-3, gradients: as ZeRO-2's, with one bucket per unit, and the root unit's
+      gradients waiting, counted whole, until it is sent last, right after (in the same
+      hook as) the first unit: its gradients arrive during backward, the final norm's early
+      and the position embedding's just before the token embedding's (which runs first in
+      forward). Counting it whole is an upper bound by what has not arrived yet.
+    The "buffer" is the peak minus the paper's figure; every shard counted includes its
+    padding (under N elements per bucket). These are the moments the probe can see, between
+    hooks: inside one `_send` a bucket's .grad and its new flat copy coexist for an instant,
+    next to a third transfer not yet awaited, which only the allocator's peak would show.
+    """
+    out = {}
+    if stage not in ("zero2", "zero3"):
+        return out  # data parallel and ZeRO-1 hold nothing beyond the table (the bucket is the gradient)
+    sharded = FP32 * sum(b.numel for b in opt.buckets) / opt.world_size  # the paper's 4 Ψ / N
+    names = {id(m): n for n, m in model.named_modules()} if model is not None else {}
+    peak, where = gradient_peak(opt, names)
+    out["gradients"] = (peak - sharded, where)
+    if stage == "zero3":
+        peak, where = gathered_peak(opt, names)
+        out["parameters"] = (peak - sharded, where)
+    return out
+
+
+def _unit_name(opt, u, names):
+    return names.get(id(opt.units[u])) or ("the root" if u == 0 else f"unit {u}")
+
+
+def gradient_peak(opt, names=None):
+    """Peak gradient bytes of a ZeRO-2/3 backward, and when, from the buckets alone.
+
+    Gradients are assumed to arrive bucket by bucket, in bucket order (make_buckets lays
+    buckets out in reverse parameter order, ZeRO-3 in reverse unit order, for that reason).
+    Two moments per bucket i: just before its last gradient arrives (the shards of the
+    buckets sent before, the flat copies of those still in flight, and bucket i's gradients
+    but one: all but its smallest parameter, an upper bound; nothing for a bucket of one
+    parameter), and just after it is sent (its .grad freed, its flat copy and output shard in
+    flight, the oldest transfer beyond max_in_flight awaited).
+    """
+    buckets = opt.buckets
+    held = [getattr(b, "unit", None) == 0 for b in buckets]  # ZeRO-3's root unit (see above)
+    label = [f"bucket {i}" if getattr(b, "unit", None) is None else _unit_name(opt, b.unit, names or {})
+             for i, b in enumerate(buckets)]
+    shards, flight, moments = 0, [], []
+    for i, b in enumerate(buckets):
+        waiting = FP32 * sum(h.numel for h, is_held in zip(buckets, held) if is_held and h is not b)
+        if not held[i]:
+            filling = FP32 * (b.numel - min(b.numels))  # all but its last gradient, at most
+            moments.append((shards + sum(flight) + filling + waiting, f"{label[i]}: all but its last gradient"))
+        shards += FP32 * b.shard_numel
+        flight = (flight + [FP32 * b.padded_numel])[-opt.max_in_flight:]
+        if i + 1 < len(buckets) and held[i + 1]:
+            continue  # the root goes in the same hook: no moment in between for the probe to see
+        sent = ", ".join(label[k] for k in range(i - len(flight) + 1, i + 1))
+        moments.append((shards + sum(flight) + waiting, f"{label[i]} sent; flat copies of {sent} in flight"))
+    return max(moments, key=lambda m: m[0])
+
+
+def gathered_peak(opt, names=None):
+    """Peak parameter bytes of a ZeRO-3 step, and when: every shard, the root unit gathered,
+    and the largest pair of units next to each other in forward order (one computing, the
+    other being prefetched; backward visits the same pairs in reverse)."""
+    size = {u: FP32 * sum(b.padded_numel for b in opt.buckets if b.unit == u) for u in range(len(opt.units))}
+    shards = FP32 * sum(b.shard_numel for b in opt.buckets)
+    order = [u for u in (opt._order or opt._last_order) if u != 0]  # the forward order of the last step
+    pairs = [(order[0],)] + list(zip(order, order[1:]))
+    pair = max(pairs, key=lambda us: sum(size[u] for u in us))
+    label = " + ".join(_unit_name(opt, u, names or {}) for u in pair)
+    return shards + size[0] + sum(size[u] for u in pair), f"root unit + {label} gathered"

@@ -1,0 +1,41 @@
+"""main(): `python -m zerokit.bench`'s options; prints the table and where the files went."""
+
+import argparse
+import time
+
+import zerokit.bench
+
+from .runner import run
+from .systems import CONFIGS
+from .table import format_table
+from .workload import MODELS
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m zerokit.bench", description=zerokit.bench.__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--world-size", "-n", type=int, default=2)
+    p.add_argument("--model", choices=sorted(MODELS), default="small", help="TinyTransformer preset")
+    p.add_argument("--dim", type=int, help="override the preset's width")
+    p.add_argument("--n-layers", type=int)
+    p.add_argument("--vocab", type=int)
+    p.add_argument("--seq-len", type=int)
+    p.add_argument("--batch", type=int, help="sequences per rank per step")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per configuration")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps before the instrumented one")
+    p.add_argument("--configs", nargs="+", metavar="NAME", help=f"subset of {[c.name for c in CONFIGS]}")
+    p.add_argument("--launcher", choices=("forkserver", "torchrun"), default="forkserver")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds for the whole run")
+    p.add_argument("--out", default="bench-results", help="folder for the JSON and the plot")
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    t0 = time.perf_counter()
+    summary = run(world_size=a.world_size, model=a.model, steps=a.steps, warmup=a.warmup, configs=a.configs,
+                  seed=a.seed, launcher=a.launcher, timeout=a.timeout, out_dir=a.out, make_plot=not a.no_plot,
+                  dim=a.dim, n_layers=a.n_layers, vocab=a.vocab, seq_len=a.seq_len, batch=a.batch)
+    print()
+    print(format_table(summary))
+    print()
+    print(f"wrote {', '.join(summary['files'].values())} in {time.perf_counter() - t0:.0f} s")
+    return 0

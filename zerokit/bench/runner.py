@@ -1,0 +1,44 @@
+"""run(): the whole benchmark from Python. One `zerokit.launch` (one process tree) runs every
+selected configuration on every rank; the launching process puts the ranks' measurements
+together and writes `bench-ws<N>.json` and `bench-ws<N>.png`."""
+
+import json
+import os
+import time
+from pathlib import Path
+
+import zerokit
+
+from .plot import plot
+from .summary import summarize
+from .systems import CONFIGS
+from .worker import worker
+from .workload import MODELS
+
+
+def run(world_size=2, model="small", steps=20, warmup=2, configs=None, seed=0,
+        launcher="forkserver", timeout=1800.0, out_dir="bench-results", make_plot=True, **model_overrides):
+    """Run the benchmark and write its files; returns the summary (also in the JSON)."""
+    model_cfg = dict(MODELS[model], **{k: v for k, v in model_overrides.items() if v is not None})
+    names = [c.name for c in CONFIGS]
+    configs = list(configs or names)
+    unknown = set(configs) - set(names)
+    if unknown:
+        raise ValueError(f"unknown configurations {sorted(unknown)}; choose from {names}")
+    opts = {"model": model_cfg, "model_name": model, "steps": steps, "warmup": warmup, "configs": configs,
+            "chunk": 2, "seed": seed}
+    t0, load_before = time.perf_counter(), os.getloadavg()
+    per_rank = zerokit.launch(worker, world_size, args=(opts,), launcher=launcher, timeout=timeout)
+    summary = summarize(per_rank, opts, world_size)
+    summary["meta"]["wall_time_s"] = time.perf_counter() - t0
+    # other processes share the cores: times are only as steady as the machine was
+    summary["meta"]["load_average_1min"] = {"before": load_before[0], "after": os.getloadavg()[0]}
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"bench-ws{world_size}"
+    summary["files"] = {"json": str(stem.with_suffix(".json"))}
+    if make_plot:
+        plot(summary, stem.with_suffix(".png"))
+        summary["files"]["plot"] = str(stem.with_suffix(".png"))
+    stem.with_suffix(".json").write_text(json.dumps(summary, indent=1, default=float))
+    return summary

@@ -1,0 +1,85 @@
+"""What is compared: eight configurations, four stages, each run by zerokit and by its PyTorch peer.
+
+| stage | PyTorch peer | zerokit |
+|---|---|---|
+| ddp   | `DistributedDataParallel` + `torch.optim.AdamW`           | `DistributedAdam` |
+| zero1 | DDP + `torch.distributed.optim.ZeroRedundancyOptimizer`   | `ZeRO1Adam` |
+| zero2 | FSDP2 `fully_shard(reshard_after_forward=False)` + AdamW  | `ZeRO2Adam(bucket_mb=one block)` |
+| zero3 | FSDP2 `fully_shard` (blocks reshard after forward) + AdamW | `ZeRO3Adam(units=blocks)` |
+
+FSDP2 wraps each transformer block, then the root (embeddings, final norm, head); zerokit
+gets the same granularity: ZeRO-3 units are the blocks (the root unit keeps the rest), and
+ZeRO-2's gradient buckets are one block in size (its 25 MiB default would make one bucket
+of the whole small model, sent only after backward).
+"""
+
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from .stages import make_optimizer
+from .workload import HYPER, make_model
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    stage: str  # ddp, zero1, zero2, zero3
+    system: str  # "torch" or "zerokit"
+    label: str
+
+
+CONFIGS = [
+    Config("torch-ddp", "ddp", "torch", "DDP + torch AdamW"),
+    Config("zerokit-ddp", "ddp", "zerokit", "zerokit DistributedAdam"),
+    Config("torch-zero1", "zero1", "torch", "DDP + ZeroRedundancyOptimizer"),
+    Config("zerokit-zero1", "zero1", "zerokit", "zerokit ZeRO1Adam"),
+    Config("torch-zero2", "zero2", "torch", "FSDP2 no reshard + AdamW"),
+    Config("zerokit-zero2", "zero2", "zerokit", "zerokit ZeRO2Adam"),
+    Config("torch-zero3", "zero3", "torch", "FSDP2 reshard + AdamW"),
+    Config("zerokit-zero3", "zero3", "zerokit", "zerokit ZeRO3Adam"),
+]
+BASELINE = "torch-ddp"  # the loss every other configuration is compared with
+
+# The PyTorch peers use their documented memory/speed options: gradients that live in
+# DDP's communication buckets instead of beside them, and ZeroRedundancyOptimizer's
+# parameters packed into one buffer per rank (one broadcast per rank, not one per tensor).
+# torch.optim.AdamW keeps its defaults (its CPU default is the per-tensor loop).
+DDP_OPTIONS = {"gradient_as_bucket_view": True}
+ZERO_REDUNDANCY_OPTIONS = {"parameters_as_bucket_view": True}
+
+
+def build(config, model_cfg, device, seed):
+    """A fresh (model, optimizer) for `config`; every rank starts from the same weights."""
+    model = make_model(model_cfg, device, seed)
+    if config.system == "zerokit":
+        # FSDP2's granularity (see above): buckets of one block, units one per block
+        block_mib = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters()) / 2**20
+        return model, make_optimizer(config.stage, model, bucket_mb=block_mib, units=list(model.blocks), **HYPER)
+    if config.system == "torch":
+        return _torch_peer(config.stage, model, device)
+    raise ValueError(f"unknown system {config.system!r} in configuration {config.name!r}")
+
+
+def _torch_peer(stage, model, device):
+    ddp_kw = dict(DDP_OPTIONS, device_ids=[device.index] if device.type == "cuda" else None)
+    if stage == "ddp":
+        model = DDP(model, **ddp_kw)
+        return model, torch.optim.AdamW(model.parameters(), **HYPER)
+    if stage == "zero1":
+        model = DDP(model, **ddp_kw)
+        return model, ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW,
+                                              **ZERO_REDUNDANCY_OPTIONS, **HYPER)
+    if stage in ("zero2", "zero3"):
+        # zero2: nothing resharded after forward (one all-gather per step, like ZeRO-2's
+        # all-gather of updated weights); zero3: FSDP2's default, blocks reshard after
+        # forward and are gathered again for backward, the root stays gathered.
+        reshard = False if stage == "zero2" else None
+        for block in model.blocks:
+            fully_shard(block, reshard_after_forward=reshard)
+        fully_shard(model, reshard_after_forward=reshard)
+        return model, torch.optim.AdamW(model.parameters(), **HYPER)
+    raise ValueError(f"unknown stage {stage!r}")

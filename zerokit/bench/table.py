@@ -1,0 +1,58 @@
+"""The table `python -m zerokit.bench` prints: one row per configuration, then each stage's
+floor, then zerokit / PyTorch peer ratios, then what each column means."""
+
+from .systems import BASELINE
+
+
+def mib(b):
+    return b / 2**20
+
+
+def format_table(summary) -> str:
+    meta, configs = summary["meta"], summary["configs"]
+    m = meta["model"]
+    lines = [
+        f"world size {meta['world_size']} ({meta['backend']}, {meta['device']}), torch {meta['torch']}; "
+        f"TinyTransformer '{m['name']}': {m['parameters'] / 1e6:.2f} M parameters (dim {m['dim']}, "
+        f"{m['n_layers']} layers, vocab {m['vocab']}), {m['batch']} x {m['seq_len']} tokens per rank; "
+        f"median of {meta['steps']} steps after {meta['warmup']} warm-up + 1 instrumented",
+        "",
+        f"{'configuration':32s} {'stage':5s} {'ms/step':>8s} {'floor':>7s} {'/floor':>6s} "
+        f"{'comm MiB':>8s} {'theory':>7s} {'wire':>6s} {'params':>7s} {'grads':>7s} {'optim':>7s} {'other':>7s} "
+        f"{'peak MiB':>8s} {'|dloss|':>8s}",
+    ]
+    for c in configs:
+        mp = c["memory_peak"]
+        lines.append(
+            f"{c['label']:32s} {c['stage']:5s} {c['step_time_s']['median'] * 1e3:8.1f} {c['floor_s'] * 1e3:7.1f} "
+            f"{c['vs_floor']:6.2f} {mib(c['comm']['volume_bytes']):8.2f} "
+            f"{mib(c['comm']['theory_volume_bytes']):7.2f} {mib(c['comm']['wire_bytes'] or float('nan')):6.2f} "
+            f"{mib(mp['parameters']):7.2f} {mib(mp['gradients']):7.2f} {mib(mp['optimizer_states']):7.2f} "
+            f"{mib(mp['other']):7.2f} {mib(mp['total']):8.2f} {c['loss']['final_diff']:8.1e}")
+    lines += [""] + [
+        f"floor {stage:5s}: forward+backward {f['forward_backward_s'] * 1e3:6.1f} ms + update "
+        f"{f['update_s'] * 1e3:5.1f} ms + {' + '.join(f['collectives'])} {f['comm_s'] * 1e3:6.1f} ms "
+        f"= {f['total_s'] * 1e3:6.1f} ms" for stage, f in summary["floors"].items()]
+    lines += ["", f"{'zerokit / PyTorch peer':32s} {'stage':5s} {'time':>6s} {'peak mem':>8s} "
+                  f"{'model state':>11s} {'comm':>6s}"]
+    for r in summary["ratios"]:
+        lines.append(f"{r['zerokit'] + ' / ' + r['peer']:32s} {r['stage']:5s} {r['time']:6.2f} {r['memory']:8.2f} "
+                     f"{r['model_state']:11.2f} {r['comm']:6.2f}")
+    lines += [
+        "",
+        "comm: volume per rank per step, ZeRO paper's convention (a ring sends (N-1)/N of it); theory 2 Psi, "
+        "3 Psi for zero3, fp32; wire: bytes the rank really wrote to its sockets in that step (/proc/self/io).",
+        "memory: per rank (the highest), each column its own peak over one step, so they need not add up; "
+        "peak = all bytes allocated, C++ buffers and activations included; other = peak - model state.",
+        "ratios: zerokit / peer of median step time, peak memory (all), model state (parameters + gradients + "
+        "optimizer state, own peaks) and comm volume.",
+    ]
+    # name the baseline: without torch-ddp (--configs) the first configuration stands in for it
+    base = configs[0]["loss"]["baseline"] if configs else BASELINE
+    lines.append(f"|dloss|: |final eval loss - {base}'s|" + ("" if base == BASELINE else f" ({BASELINE} not run)")
+                 + ".")
+    # the peers' AdamW and the floor's are different implementations: say which row uses which
+    impls = sorted({f["update_impl"] for f in summary["floors"].values()})
+    lines.append("update: torch rows torch.optim.AdamW's default implementation (per-tensor loop on CPU, "
+                 f"foreach on CUDA), zerokit rows zerokit's own AdamW, floor {' / '.join(impls) or '-'}.")
+    return "\n".join(lines)
