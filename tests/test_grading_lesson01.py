@@ -16,7 +16,7 @@ names the problem, and pass the others: one bug costs its own points only.
 | zero_grad as `grad *= zeros_like(grad)` | zero_grad | "NaN × 0 = NaN" |
 | calls torch.optim.AdamW in step() | numerics, contract | "torch.optim.AdamW" |
 | calls torch.optim.adam._single_tensor_adam in step() | numerics, contract | "torch's Adam" |
-| subclass of zerokit.Adam | numerics, contract, zero_grad | "subclasses an existing Adam" |
+| subclass of zerokit.Adam | numerics, contract, zero_grad | "subclasses zerokit.Adam" |
 | wraps zerokit.Adam | numerics, contract | "used zerokit's Adam" |
 | formula with K = 8 in mixed precision | model_state_bytes | "bytes of optimizer_states" |
 | formula from zerokit.theory_bytes | model_state_bytes | "zerokit.theory_bytes" |
@@ -204,7 +204,7 @@ DEFECTS = [  # (class, {check that must fail: message fragment}); every other ch
     (broken("zero_grad_by_multiplying"), {"zero_grad": "NaN × 0 = NaN"}),
     (broken("calls_adamw"), {"numerics": "torch.optim.AdamW", "contract": "torch.optim.AdamW"}),
     (CallsSingleTensorAdam, {"numerics": "torch's Adam", "contract": "torch's Adam"}),
-    (SubclassesZeroKit, {name: "subclasses an existing Adam" for name in CHECKS}),
+    (SubclassesZeroKit, {name: "subclasses zerokit.Adam" for name in CHECKS}),
     (WrapsZeroKit, {"numerics": "used zerokit's Adam", "contract": "used zerokit's Adam"}),
 ]
 
