@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import zerokit
-from zerokit.reference import global_batch, loss_for, max_abs_diff, rank_trajectory, reference_trajectory
+from zerokit.models import loss_for
+from zerokit.reference import global_batch, max_abs_diff, rank_trajectory, reference_trajectory
 
 pytestmark = pytest.mark.distributed
 

@@ -1,15 +1,32 @@
-"""Small models the lessons, tests and benchmarks share.
+"""Small models the lessons, tests, checks and benchmarks share, and the zoo that names them.
 
 Sizes are awkward on purpose: parameters straddle shard boundaries, and EdgeCaseNet's
 total (745) divides by none of 2, 3 and 4, so code that assumes `numel % N == 0` fails on
 it. (OddMLP's default total, 2348, needs padding only for N = 3.)
+
+The zoo (`MODELS`) gives each model the checks and tests use one name, and says how to feed
+it: `build_model(name, seed)`, `model_batch(name, size, seed)`, `model_loss(name, out, y)`.
+
+    name         model                                   Ψ       what it is for
+    mlp          OddMLP (27 -> 37 -> 29 -> 7)            2348    the default: plain layers
+    small-mlp    OddMLP (27 -> 36 -> 7)                  1267    quick checks
+    wide-mlp     OddMLP (27 -> 300 -> 7)                 10507   memory checks: one shard weighs
+    edge         EdgeCaseNet                             745     tied, frozen, unused parameters
+    branch       BranchNet                               544     a branch only some ranks run
+    nested       NestedNet                               ...     nested units for ZeRO-3
+    transformer  TinyTransformer (vocab 101, width 22)   ...     attention, embeddings, norms
 """
+
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Callable
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-__all__ = ["OddMLP", "EdgeCaseNet", "TinyTransformer", "make_batch", "loss_for", "num_parameters"]
+__all__ = ["OddMLP", "EdgeCaseNet", "TinyTransformer", "BranchNet", "NestedNet", "make_batch", "loss_for",
+           "num_parameters", "MODELS", "Recipe", "build_model", "model_batch", "model_loss"]
 
 
 def num_parameters(model, trainable_only=True) -> int:
@@ -121,3 +138,102 @@ def loss_for(kind, output, target):
     if kind == "mlp":
         return F.mse_loss(output, target)
     return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
+
+
+class BranchNet(nn.Module):
+    """An MLP with a side branch that a caller may skip (data-dependent control flow, as in a
+    mixture of experts): where it is skipped, the branch's parameters get no gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(9, 17)
+        self.branch = nn.Linear(17, 17)
+        self.out = nn.Linear(17, 5)
+
+    def forward(self, x, use_branch=True):
+        h = torch.tanh(self.inp(x))
+        if use_branch:
+            h = h + torch.tanh(self.branch(h))
+        return self.out(h)
+
+
+class NestedNet(nn.Module):
+    """Nested modules: a stem, residual blocks (a LayerNorm and a two-layer MLP inside a
+    Sequential, inside the block), and a head. Eleven units of similar size, so a ZeRO-3
+    that never frees holds several times what one that frees does."""
+
+    def __init__(self, n_in=13, dim=23, hidden=41, n_blocks=3, n_out=7):
+        super().__init__()
+        self.stem = nn.Linear(n_in, dim)
+        self.blocks = nn.ModuleList(Residual(dim, hidden) for _ in range(n_blocks))
+        self.head = nn.Linear(dim, n_out)
+
+    def forward(self, x):
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+class Residual(nn.Module):
+    def __init__(self, dim, hidden):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim))
+
+    def forward(self, x):
+        return x + self.mlp(self.norm(x))
+
+
+# ---------------------------------------------------------------------------------------
+# the zoo
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A named model: how to build it and how to feed it (`make_batch`'s kind and options).
+
+    first_seed shifts the model's data stream, so two models of one batch kind see
+    different data at the same seed.
+    """
+
+    build: Callable[[], nn.Module]
+    batch: str
+    batch_kw: dict = field(default_factory=dict)
+    first_seed: int = 0
+
+
+MODELS = {
+    "mlp": Recipe(OddMLP, "mlp"),
+    "small-mlp": Recipe(partial(OddMLP, (27, 36, 7)), "mlp"),
+    "wide-mlp": Recipe(partial(OddMLP, (27, 300, 7)), "mlp"),
+    "edge": Recipe(EdgeCaseNet, "edge"),
+    "branch": Recipe(BranchNet, "mlp", {"n_in": 9, "n_out": 5}, first_seed=7_000),
+    "nested": Recipe(NestedNet, "mlp", {"n_in": 13, "n_out": 7}, first_seed=5_000),
+    "transformer": Recipe(partial(TinyTransformer, vocab=101, dim=22, n_layers=2, n_heads=2, seq_len=9),
+                          "transformer", {"vocab": 101, "seq_len": 9}),
+}
+
+
+def _recipe(name):
+    if name not in MODELS:
+        raise ValueError(f"model must be one of {sorted(MODELS)}, not {name!r}")
+    return MODELS[name]
+
+
+def build_model(name, seed=0):
+    """The zoo's model `name`, initialised from `seed` (the same weights on every rank)."""
+    recipe = _recipe(name)
+    torch.manual_seed(seed)
+    return recipe.build()
+
+
+def model_batch(name, batch_size, seed):
+    """A deterministic (inputs, targets) batch for the zoo's model `name`."""
+    recipe = _recipe(name)
+    return make_batch(recipe.batch, batch_size, seed=recipe.first_seed + seed, **recipe.batch_kw)
+
+
+def model_loss(name, output, target):
+    """The loss the zoo's model `name` trains on (mean squared error or cross-entropy)."""
+    return loss_for(_recipe(name).batch, output, target)

@@ -8,26 +8,14 @@ rank (call it inside zerokit.launch) and records the same snapshots for comparis
 
 import torch
 
-from .models import EdgeCaseNet, OddMLP, TinyTransformer, loss_for, make_batch
+from .models import build_model, model_batch, model_loss
 
-__all__ = ["MODELS", "build_model", "global_batch", "rank_slice", "reference_trajectory", "rank_trajectory",
-           "max_abs_diff"]
-
-MODELS = {
-    "mlp": OddMLP,
-    "edge": EdgeCaseNet,
-    "transformer": lambda: TinyTransformer(vocab=101, dim=22, n_layers=2, n_heads=2, seq_len=9),
-}
-_BATCH_KW = {"transformer": {"vocab": 101, "seq_len": 9}}
-
-
-def build_model(kind, seed=0):
-    torch.manual_seed(seed)
-    return MODELS[kind]()
+__all__ = ["build_model", "global_batch", "rank_slice", "reference_trajectory", "rank_trajectory", "max_abs_diff"]
 
 
 def global_batch(kind, step, global_batch_size, seed=0):
-    return make_batch(kind, global_batch_size, seed=10_000 * seed + step, **_BATCH_KW.get(kind, {}))
+    """The global batch of `step` for the zoo's model `kind` (zerokit.models.MODELS)."""
+    return model_batch(kind, global_batch_size, 10_000 * seed + step)
 
 
 def rank_slice(t, rank, world_size):
@@ -51,7 +39,7 @@ def reference_trajectory(kind="mlp", steps=5, global_batch_size=12, lr=1e-2, wei
     out = []
     for step in range(steps):
         x, y = global_batch(kind, step, global_batch_size, seed)
-        loss = loss_for(kind, model(x), y)
+        loss = model_loss(kind, model(x), y)
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -76,7 +64,7 @@ def rank_trajectory(rank, world_size, make_optimizer, kind="mlp", steps=5, globa
     for step in range(steps):
         x, y = global_batch(kind, step, global_batch_size, seed)
         x, y = rank_slice(x, rank, world_size), rank_slice(y, rank, world_size)
-        loss = loss_for(kind, model(x), y)
+        loss = model_loss(kind, model(x), y)
         loss.backward()
         opt.step()
         opt.zero_grad()

@@ -58,6 +58,46 @@ def lesson_modules():
     return found
 
 
+def method_replaced(method, replacement):
+    """A cell's source: the instructor's solution with the method `method` (its decorators
+    included) replaced by `replacement`, a whole `def` indented as in the class."""
+    def edit(solution):
+        lines = solution.splitlines(keepends=True)
+        start = next((i for i, line in enumerate(lines) if line.lstrip().startswith(f"def {method}(")), None)
+        if start is None:
+            raise KeyError(f"the solution no longer has a method {method}: update this example student")
+        while start > 0 and lines[start - 1].lstrip().startswith("@"):
+            start -= 1
+        end = start + 1
+        while end < len(lines) and lines[end].lstrip().startswith("@"):
+            end += 1
+        end += 1
+        while end < len(lines) and (not lines[end].strip() or lines[end].startswith(" " * 8)):
+            end += 1
+        return "".join(lines[:start]) + replacement.lstrip("\n") + "\n" + "".join(lines[end:])
+
+    return edit
+
+
+def full_marks(lesson):
+    """grade_id -> points of every test cell of the lesson, as solutions/ (nbgrader's source) gives them."""
+    nb = json.loads((ROOT / "solutions" / lesson / f"{lesson}.ipynb").read_text())
+    return {m["grade_id"]: m["points"] for c in nb["cells"]
+            if (m := c.get("metadata", {}).get("nbgrader", {})).get("grade") and "points" in m}
+
+
+def correct(lesson, *exercises):
+    """The instructor's solution in every exercise cell, every cell of the notebook kept: full marks."""
+    return Student("correct", "the instructor's solution, every cell of the notebook kept", full_marks(lesson),
+                   cells=dict.fromkeys(exercises, SOLUTION), full=True)
+
+
+def untouched(lesson, reason):
+    """The released notebook with nothing filled in: no points, and a reason that says why."""
+    return Student("untouched", "the released notebook, nothing filled in", dict.fromkeys(full_marks(lesson), 0),
+                   reason=reason)
+
+
 def _solution_sources(lesson):
     """grade_id -> the solution cell's code with the BEGIN/END SOLUTION markers removed."""
     nb = json.loads((ROOT / "solutions" / lesson / f"{lesson}.ipynb").read_text())

@@ -4,15 +4,15 @@ Points: test_my_all_reduce 3, test_same_volume 2. A defect that breaks only the 
 volume) must cost only test_my_all_reduce's 3 points.
 """
 
-from . import SOLUTION, Student
+from . import SOLUTION, Student, correct, full_marks, untouched
 
 LESSON = "00_collectives"
 # The demo cells the exercises need (imports, the launcher choice); the rest are left out
 # of the lean examples so the set grades quickly. `correct` keeps every cell.
 KEEP = ("import zerokit", 'os.environ["ZEROKIT_LAUNCHER"]')
 
-FULL = {"test_my_all_reduce": 3, "test_same_volume": 2}
-ZERO = {"test_my_all_reduce": 0, "test_same_volume": 0}
+FULL = full_marks(LESSON)
+ZERO = dict.fromkeys(FULL, 0)
 VOLUME_ONLY = {"test_my_all_reduce": 0, "test_same_volume": 2}
 
 HEAD = '''def my_all_reduce(tensor):
@@ -33,10 +33,8 @@ RETURN = "    return padded[:numel].clone()\n"
 MEAN = HEAD + RS_AG + "    return padded[:numel] / n  # BUG: the mean, not the sum\n"
 
 STUDENTS = [
-    Student("correct", "the instructor's solution, every cell of the notebook kept", FULL,
-            cells={"my_all_reduce": SOLUTION}, full=True),
-    Student("untouched", "the released notebook, nothing filled in", ZERO,
-            reason="your code raised NotImplementedError (is the exercise still the stub"),
+    correct(LESSON, "my_all_reduce"),
+    untouched(LESSON, "your code raised NotImplementedError (is the exercise still the stub"),
     Student("deadlock", "rank 0 waits at a barrier no other rank reaches", ZERO,
             reason="rank 0: never finished: inside torch.distributed.barrier",
             cells={"my_all_reduce": HEAD + "    if dist.get_rank() == 0:\n        dist.barrier()  # BUG\n"

@@ -6,12 +6,12 @@ numerics' 4 points only; the checks clear gradients with the base class's zero_g
 broken zero_grad costs test_zero_grad's point only.
 """
 
-from . import SOLUTION, Student
+from . import SOLUTION, Student, correct, full_marks, untouched
 
 LESSON = "01_adam"
 KEEP = ('os.environ["ZEROKIT_LAUNCHER"]',)  # the imports (torch) and the launcher choice
 
-FULL = {"test_adam_numerics": 4, "test_adam_contract": 3, "test_zero_grad": 1, "test_model_state_bytes": 2}
+FULL = full_marks(LESSON)
 ZERO = dict.fromkeys(FULL, 0)
 
 ADAM = '''class MyAdam(torch.optim.Optimizer):
@@ -60,9 +60,8 @@ K8 = '''def model_state_bytes(psi, precision="fp32"):
 '''
 
 STUDENTS = [
-    Student("correct", "the instructor's solution, every cell of the notebook kept", FULL,
-            cells={"my_adam": SOLUTION, "model_state_bytes": SOLUTION}, full=True),
-    Student("untouched", "the released notebook, nothing filled in", ZERO, reason="your code raised"),
+    correct(LESSON, "my_adam", "model_state_bytes"),
+    untouched(LESSON, "your code raised"),
     Student("no_bias_correction", "m / (sqrt(v) + eps): no bias correction", {**FULL, "test_adam_numerics": 0},
             reason="WITHOUT bias correction",
             cells={"my_adam": adam(update="p.addcdiv_(m, v.sqrt() + eps, value=-lr)  # BUG"),

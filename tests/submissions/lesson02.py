@@ -5,12 +5,12 @@ checks use zerokit's average_gradients in place of the student's, so a wrong mea
 exercise (a)'s 3 points only.
 """
 
-from . import SOLUTION, Student
+from . import SOLUTION, Student, correct, full_marks, untouched
 
 LESSON = "02_distributed_adam"
 KEEP = ("import zerokit", 'os.environ["ZEROKIT_LAUNCHER"]')
 
-FULL = {"test_average_gradients": 3, "test_ddp_numerics": 3, "test_ddp_collectives": 2}
+FULL = full_marks(LESSON)
 ZERO = dict.fromkeys(FULL, 0)
 
 SUMS = '''@torch.no_grad()
@@ -45,9 +45,8 @@ BROADCASTS = CLASS.format(body="        average_gradients(self.all_params())\n  
                           "            dist.broadcast(p.data, src=0)  # BUG: twice the traffic, for nothing\n")
 
 STUDENTS = [
-    Student("correct", "the instructor's solution, every cell of the notebook kept", FULL,
-            cells={"average_gradients": SOLUTION, "distributed_adam_class": SOLUTION}, full=True),
-    Student("untouched", "the released notebook, nothing filled in", ZERO, reason="your code raised"),
+    correct(LESSON, "average_gradients", "distributed_adam_class"),
+    untouched(LESSON, "your code raised"),
     Student("sums_gradients", "all-reduce without dividing by N (the class is right)",
             {**FULL, "test_average_gradients": 0}, reason="the ranks' gradients were summed",
             cells={"average_gradients": SUMS, "distributed_adam_class": SOLUTION}),

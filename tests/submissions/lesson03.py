@@ -4,12 +4,12 @@ Points: test_shard_range 2, test_zero1_numerics 4, test_zero1_memory 2, test_zer
 Each defect is in one exercise and must cost only the checks meant to catch it.
 """
 
-from . import SOLUTION, Student
+from . import SOLUTION, Student, correct, full_marks, untouched
 
 LESSON = "03_zero1"
 KEEP = ("import zerokit",)  # the imports cell (it also picks the forkserver launcher)
 
-FULL = {"test_shard_range": 2, "test_zero1_numerics": 4, "test_zero1_memory": 2, "test_zero1_collectives": 2}
+FULL = full_marks(LESSON)
 ZERO = dict.fromkeys(FULL, 0)
 
 # The solution's class with m and v allocated for the whole flat buffer and sliced in step():
@@ -80,9 +80,8 @@ CALLS_ADAMW = '''class MyZeRO1Adam(torch.optim.Optimizer):
 '''
 
 STUDENTS = [
-    Student("correct", "the instructor's solution, every cell of the notebook kept", FULL,
-            cells={"shard_range": SOLUTION, "zero1_class": SOLUTION}, full=True),
-    Student("untouched", "the released notebook, nothing filled in", ZERO, reason="NotImplementedError"),
+    correct(LESSON, "shard_range", "zero1_class"),
+    untouched(LESSON, "NotImplementedError"),
     Student("full_state", "right numbers, but m and v for the whole model on every rank (the point missed)",
             {**FULL, "test_zero1_memory": 0}, reason="as large as the whole model",
             cells={"shard_range": SOLUTION, "zero1_class": FULL_STATE}),

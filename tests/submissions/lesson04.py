@@ -4,13 +4,12 @@ Points: test_matches_adamw 4, test_gradients_sharded 3, test_reduced_during_back
 test_unused_parameters 3, test_accumulation 2.
 """
 
-from . import SOLUTION, Student, solution_with
+from . import Student, correct, full_marks, solution_with, untouched
 
 LESSON = "04_zero2"
 KEEP = ("import zerokit",)  # the imports cell (it also picks the forkserver launcher)
 
-FULL = {"test_matches_adamw": 4, "test_gradients_sharded": 3, "test_reduced_during_backward": 3,
-        "test_unused_parameters": 3, "test_accumulation": 2}
+FULL = full_marks(LESSON)
 ZERO = dict.fromkeys(FULL, 0)
 
 
@@ -20,9 +19,8 @@ KEEPS_FULL_GRADIENT = solution_with(
     "            pass  # BUG: the full gradient stays alive\n")
 
 STUDENTS = [
-    Student("correct", "the instructor's solution, every cell of the notebook kept", FULL,
-            cells={"my_zero2": SOLUTION}, full=True),
-    Student("untouched", "the released notebook, nothing filled in", ZERO, reason="NotImplementedError"),
+    correct(LESSON, "my_zero2"),
+    untouched(LESSON, "NotImplementedError"),
     Student("keeps_full_gradient", "never frees .grad (the point missed), and replaced that test cell by `pass`",
             {**FULL, "test_gradients_sharded": 0}, reason=".grad is still set",
             cells={"my_zero2": KEEPS_FULL_GRADIENT, "test_gradients_sharded": "pass  # all good\n"}),

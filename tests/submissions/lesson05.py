@@ -6,14 +6,14 @@ run the student's hooks on zerokit's gather/free, so a defect in one exercise co
 exercise only; and right numbers from full copies cost test_parameters_sharded.
 """
 
-from . import SOLUTION, Student
+from . import SOLUTION, Student, correct, full_marks, method_replaced, untouched
 
 LESSON = "05_zero3"
 # The cell the exercises need besides their own (the launcher choice, imports); the demo
 # cells are left out of the lean examples so the set grades quickly. `correct` keeps all.
 KEEP = ('os.environ["ZEROKIT_LAUNCHER"]',)
 
-FULL = {"test_gather_free": 2, "test_matches_adamw": 4, "test_parameters_sharded": 4, "test_communication": 3}
+FULL = full_marks(LESSON)
 ZERO = dict.fromkeys(FULL, 0)
 
 # The solution's exercise 2 with one addition: a full copy of each unit kept "just in case"
@@ -47,36 +47,14 @@ _NO_RESIZE = '''
 '''
 
 
-def _with_method(source, method, replacement):
-    """`source` (a solution cell) with the method `method` replaced by `replacement`."""
-    lines = source.splitlines(keepends=True)
-    start = next(i for i, line in enumerate(lines) if line.lstrip().startswith(f"def {method}("))
-    while start > 0 and lines[start - 1].lstrip().startswith("@"):
-        start -= 1
-    end = start + 1
-    while end < len(lines) and lines[end].lstrip().startswith("@"):
-        end += 1
-    end += 1
-    while end < len(lines) and (not lines[end].strip() or lines[end].startswith(" " * 8)):
-        end += 1
-    return "".join(lines[:start]) + replacement.lstrip("\n") + "\n" + "".join(lines[end:])
-
-
-def _defect(grade_id, method, replacement):
-    from . import _solution_sources
-
-    return _with_method(_solution_sources(LESSON)[grade_id], method, replacement)
-
-
 STUDENTS = [
-    Student("correct", "the instructor's solution, every cell of the notebook kept", FULL,
-            cells={"sharded_parameters": SOLUTION, "my_zero3": SOLUTION}, full=True),
-    Student("untouched", "the released notebook, nothing filled in", ZERO, reason="your code raised"),
+    correct(LESSON, "sharded_parameters", "my_zero3"),
+    untouched(LESSON, "your code raised"),
     Student("keeps_full_copies", "right hooks and numbers, but a full copy of every unit kept after its forward",
             {**FULL, "test_parameters_sharded": 0}, reason="something keeps full-size buffers alive",
-            cells={"sharded_parameters": SOLUTION, "my_zero3": _defect("my_zero3", "_post_forward", _COPIES)}),
+            cells={"sharded_parameters": SOLUTION, "my_zero3": method_replaced("_post_forward", _COPIES)}),
     Student("free_without_resize", "exercise 1's _free drops its references but does not resize_(0) the "
             "buffer (hooks right)", {**FULL, "test_gather_free": 0}, reason="release it in place",
-            cells={"sharded_parameters": _defect("sharded_parameters", "_free", _NO_RESIZE),
+            cells={"sharded_parameters": method_replaced("_free", _NO_RESIZE),
                    "my_zero3": SOLUTION}),
 ]

@@ -5,13 +5,12 @@ test_overflow_step 2. The optimizer's checks run it with zerokit's scaler, so a 
 exercise costs only that exercise's checks.
 """
 
-from . import SOLUTION, Student
+from . import SOLUTION, Student, correct, full_marks, untouched
 
 LESSON = "06_mixed_precision"
 KEEP = ("import zerokit",)  # the imports cell (it also picks the forkserver launcher)
 
-FULL = {"test_unscale": 2, "test_overflow_agreed": 3, "test_scale_schedule": 2, "test_master_update": 3,
-        "test_overflow_step": 2}
+FULL = full_marks(LESSON)
 ZERO = dict.fromkeys(FULL, 0)
 
 # The classic: multiplies the scaled gradient by the scale instead of dividing (the rest is right).
@@ -85,9 +84,8 @@ UPDATES_HALF = '''class MyMixedPrecisionAdam(torch.optim.Optimizer):
 '''
 
 STUDENTS = [
-    Student("correct", "the instructor's solution, every cell of the notebook kept", FULL,
-            cells={"loss_scaler": SOLUTION, "master_adam": SOLUTION}, full=True),
-    Student("untouched", "the released notebook, nothing filled in", ZERO, reason="NotImplementedError"),
+    correct(LESSON, "loss_scaler", "master_adam"),
+    untouched(LESSON, "NotImplementedError"),
     Student("multiplies_by_scale", "unscale multiplies the gradient by the loss scale instead of dividing",
             {**FULL, "test_unscale": 0}, reason="times the scale",
             cells={"loss_scaler": MULTIPLIES, "master_adam": SOLUTION}),

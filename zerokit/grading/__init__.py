@@ -1,0 +1,57 @@
+"""The checks the lessons' test cells call, and the nbgrader flow that runs them.
+
+One module per lesson (`zerokit.grading.lessonNN`); each asks the same three questions of
+the student's code, under the same names, plus what only its lesson has:
+
+    numerics   the same numbers as one process running torch.optim.AdamW on the whole batch
+               (weights AND optimizer state, after every step, each rank on its own data)
+    memory     the stage's promise, measured: what each rank holds (shards, not copies)
+    traffic    the stage's collectives, counted: which ones, how many elements, when
+
+    lesson                check                    what it judges
+    00 collectives        check_numerics           all-reduce from reduce-scatter + all-gather sums right
+                          check_traffic            ... and moves what dist.all_reduce moves (2 x size)
+    01 Adam               check_numerics           Adam/AdamW by hand vs torch.optim.AdamW, m, v, step
+                          check_contract           param groups, LR scheduler, state_dict, no-grad parameters
+                          check_zero_grad          zero_grad clears NaN and inf
+                          check_memory             the 2Ψ + 2Ψ + KΨ formula vs measured bytes
+    02 data parallel      check_average_gradients  exercise (a): the mean gradient on every rank
+                          check_numerics           replicas equal, and equal to AdamW
+                          check_traffic            one all-reduce of Ψ per step, no parameter broadcasts
+    03 ZeRO-1             check_shard_range        exercise (a): equal padded shards, nothing dropped
+                          check_numerics           weights and this rank's m, v shard vs AdamW
+                          check_memory             optimizer state ~ 8Ψ/N bytes per rank
+                          check_traffic            reduce-scatter Ψ + all-gather Ψ, no all-reduce
+    04 ZeRO-2             check_numerics           gradient shards, weights, m and v vs AdamW
+                          check_memory             no full gradient survives backward
+                          check_traffic            one reduce-scatter per bucket, in order, in backward
+                          check_unused_parameters  parameters without a gradient: no hang, no corruption
+                          check_accumulation       several backward calls per step
+    05 ZeRO-3             check_gather_free        exercise 1: gather into, and free, a unit's buffer
+                          check_numerics           gradient shards, weights, m and v vs AdamW
+                          check_memory             parameters 1/N at rest, each unit freed after use
+                          check_traffic            ≤ 3Ψ per step, and prefetch
+    06 mixed precision    check_unscale            g / S in fp32
+                          check_overflow_agreed    an inf on one rank skips the step on every rank
+                          check_scale_schedule     backoff and growth
+                          check_numerics           fp32 masters, m and v vs AdamW; 16-bit weights
+                          check_overflow_step      nothing changes on a skipped step
+
+(The names the notebooks called before, e.g. check_zero1_numerics, check_matches_adamw, and
+the `kind=` argument for `model=`, still work for a term: each module aliases them.)
+
+One bug costs one check. Each check looks at one thing, and where a check needs another
+exercise's piece it uses zerokit's reference for it (lesson 02's class checks use zerokit's
+average_gradients; lesson 05's hook checks use zerokit's gather and free; lesson 06's
+optimizer checks use zerokit's scaler), so a student loses the points of the check meant to
+catch a bug, and only those. tests/test_grading_lessonNN.py hold each lesson's broken
+versions and the exact checks each must fail.
+
+The pieces:
+    harness      run a check on real ranks; every failure becomes one readable line
+    kit          what all lessons' checks share: the class guard, refusing zerokit's own
+                 answer, the AdamW reference run, batches, small readers
+    compare      assert_close with a message that says what differs, where
+    lessons      generate lessons/ from solutions/ (nbgrader), check they have not drifted
+    autograde    grade a folder of submissions: scores, feedback, grades.csv
+"""

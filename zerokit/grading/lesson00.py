@@ -1,4 +1,10 @@
-"""Checks for lesson 00 (collectives): all-reduce built from reduce-scatter + all-gather."""
+"""Checks for lesson 00 (collectives): all-reduce built from reduce-scatter + all-gather.
+
+    check_numerics(my_all_reduce)   every rank gets the elementwise sum over ranks, the shape
+                                    kept (no padding left in), from a reduce-scatter and an
+                                    all-gather (no dist.all_reduce)
+    check_traffic(my_all_reduce)    the elements it moves equal dist.all_reduce's 2 x size
+"""
 
 import torch
 import torch.distributed as dist
@@ -6,8 +12,9 @@ import torch.distributed as dist
 from ..comm import CommCounter
 from .compare import assert_close
 from .harness import passed, run_on_ranks
+from .kit import alias
 
-__all__ = ["check_all_reduce", "check_same_volume"]
+__all__ = ["check_numerics", "check_traffic"]
 
 
 def _inputs(rank, n, dtype=torch.float32):
@@ -47,7 +54,7 @@ def _all_reduce_case(rank, world_size, fn, sizes):
     return volumes
 
 
-def check_all_reduce(my_all_reduce, world_size=2, sizes=(8, 7)):
+def check_numerics(my_all_reduce, world_size=2, sizes=(8, 7)):
     """my_all_reduce(t) on every rank returns the elementwise sum of t over ranks."""
     __tracebackhide__ = True
     run_on_ranks(_all_reduce_case, world_size, args=(my_all_reduce, list(sizes)), what="my_all_reduce")
@@ -64,7 +71,7 @@ def _volume_case(rank, world_size, fn, n):
     return theirs.volume(), torchs.volume()
 
 
-def check_same_volume(my_all_reduce, world_size=2, size=1001):
+def check_traffic(my_all_reduce, world_size=2, size=1001):
     """The elements my_all_reduce moves equal dist.all_reduce's 2*size (up to padding)."""
     __tracebackhide__ = True
     results = run_on_ranks(_volume_case, world_size, args=(my_all_reduce, size), what="my_all_reduce")
@@ -76,3 +83,7 @@ def check_same_volume(my_all_reduce, world_size=2, size=1001):
             f"dist.all_reduce moves {reference} (2 x {size}), padding allows up to {2 * padded}")
     passed(f"my_all_reduce moves {theirs} elements, dist.all_reduce {reference}: the same volume "
            f"(reduce-scatter {padded} + all-gather {padded})")
+
+
+check_all_reduce = alias(check_numerics, "check_all_reduce")
+check_same_volume = alias(check_traffic, "check_same_volume")

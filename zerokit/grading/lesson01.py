@@ -1,13 +1,13 @@
 r"""Checks for lesson 01 (Adam by hand): the update, the optimizer contract, zero_grad, memory.
 
-    check_adam_numerics(cls, model)      every parameter AND m, v, step after every one of many
-                                         steps, against torch.optim.AdamW (a separate process)
-    check_adam_contract(cls, model)      what makes it a PyTorch optimizer: param groups, an LR
-                                         scheduler, a state_dict() round trip, a parameter whose
-                                         .grad is None left alone, its step counted on its own
-    check_zero_grad(cls, model)          zero_grad clears NaN and inf (the `grad *= 0` bug)
-    check_model_state_bytes(fn, models)  the 2Ψ + 2Ψ + KΨ formula against the bytes
-                                         zerokit.census measures on real models
+    check_numerics(cls, model)       every parameter AND m, v, step after every one of many
+                                     steps, against torch.optim.AdamW (a separate process)
+    check_contract(cls, model)       what makes it a PyTorch optimizer: param groups, an LR
+                                     scheduler, a state_dict() round trip, a parameter whose
+                                     .grad is None left alone, its step counted on its own
+    check_zero_grad(cls, model)      zero_grad clears NaN and inf (the `grad *= 0` bug)
+    check_memory(fn, models)         the 2Ψ + 2Ψ + KΨ formula against the bytes
+                                     zerokit.census measures on real models
 
 One bug costs one check. The numerics clear gradients with the base class's zero_grad, so a
 broken zero_grad only fails check_zero_grad. The contract compares the student's class with
@@ -20,89 +20,57 @@ raise instead of working, and the harness turns torch.optim.Adam/AdamW into trip
 The reference trajectory comes from a separate launch in which torch.optim.AdamW works.
 """
 
-import contextlib
 import io
 
 import torch
 
-from ..models import OddMLP, loss_for
-from ..reference import build_model, global_batch
+from .. import adam as zerokit_adam
+from .. import memory as zerokit_memory
+from ..models import OddMLP, build_model, model_loss
 from .compare import assert_close
 from .harness import CheckFailed, passed, run_on_ranks
+from .kit import adamw_reference, alias, check_class, global_batch, refusing, snapshot
 
-__all__ = ["check_adam_numerics", "check_adam_contract", "check_zero_grad", "check_model_state_bytes"]
+__all__ = ["check_numerics", "check_contract", "check_zero_grad", "check_memory"]
 
 BATCH = 12
-SEED = 1
+SEED = 1  # the model's initialisation, and its data stream (STREAM) as zerokit.reference numbers it
+STREAM = 10_000 * SEED
 HYPER = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 CATEGORIES = ("parameters", "gradients", "optimizer_states")
+
+# zerokit's own answers to the exercises refuse to work inside a check (zerokit.Adam's step
+# calls adamw_update_, so refusing the function refuses the class too)
+NO_ZEROKIT_ADAM = (zerokit_adam, "adamw_update_", "your code used zerokit's Adam (zerokit.Adam or "
+                   "zerokit.adamw_update_): the exercise is to write the update yourself")
+NO_ZEROKIT_THEORY = (zerokit_memory, "theory_bytes", "your code called zerokit.theory_bytes: the exercise is "
+                     "to write the formula yourself")
 
 
 # ---------------------------------------------------------------------------------------
 # shared pieces
 
 
-def _refused_adam(*args, **kwargs):
-    raise AssertionError("your code used zerokit's Adam (zerokit.Adam or zerokit.adamw_update_): the exercise is "
-                         "to write the update yourself")
-
-
-def _refused_theory(*args, **kwargs):
-    raise AssertionError("your code called zerokit.theory_bytes: the exercise is to write the formula yourself")
-
-
-@contextlib.contextmanager
-def _refused(adam=False, theory=False):
-    """zerokit's own Adam update / memory formula raise inside the block.
-
-    The code object is swapped, not the module attribute, so a cell that did `from
-    zerokit.adam import adamw_update_` (or wraps zerokit.Adam, whose step calls it) is caught.
-    """
-    from .. import adam as adam_mod
-    from .. import memory
-
-    fns = []
-    if adam:
-        raw = adam_mod.adamw_update_
-        fns.append((getattr(raw, "__wrapped__", raw), _refused_adam))
-    if theory:
-        fns.append((memory.theory_bytes, _refused_theory))
-    saved = [(fn, fn.__code__) for fn, _ in fns]
-    for fn, refusal in fns:
-        fn.__code__ = refusal.__code__
-    try:
-        yield
-    finally:
-        for fn, code in saved:
-            fn.__code__ = code
-
-
 def _check_class(cls):
-    from ..adam import Adam
-
-    if not isinstance(cls, type):
-        raise CheckFailed(f"expected your optimizer class, got {type(cls).__name__}")
-    if issubclass(cls, (Adam, torch.optim.Adam, torch.optim.AdamW)):
-        raise CheckFailed(f"{cls.__name__} subclasses an existing Adam: the exercise is to write Adam yourself "
-                          "(subclass torch.optim.Optimizer, as the scaffold does)")
-    if not issubclass(cls, torch.optim.Optimizer):
-        raise CheckFailed(f"{cls.__name__} is not a torch.optim.Optimizer: keep the scaffold's base class "
-                          "(param groups, state_dict and LR schedulers come from it)")
+    check_class(cls, "your optimizer class",
+                refuse=[(c, "the exercise is to write Adam yourself (subclass torch.optim.Optimizer, as the "
+                         "scaffold does)") for c in (zerokit_adam.Adam, torch.optim.Adam, torch.optim.AdamW)],
+                base_hint="keep the scaffold's base class (param groups, state_dict and LR schedulers come from it)")
 
 
 def _hyper(lr, betas, eps, weight_decay):
     return dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
 
 
-def _snapshot(model):
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+def _backward(model, step, kind):
+    x, y = global_batch(kind, step, BATCH, STREAM)
+    model_loss(kind, model(x), y).backward()
 
 
 def _step(model, opts, kind, step):
     """Forward and backward on the batch of `step`, then step every optimizer and clear the
     gradients with the base class's zero_grad (the student's own is check_zero_grad's business)."""
-    x, y = global_batch(kind, step, BATCH, SEED)
-    loss_for(kind, model(x), y).backward()
+    _backward(model, step, kind)
     for opt in opts:
         opt.step()
         torch.optim.Optimizer.zero_grad(opt, set_to_none=True)
@@ -120,38 +88,12 @@ def _is_close(actual, expected, **tol):
 # numerics: the student's class against torch.optim.AdamW
 
 
-def _reference_case(rank, world_size, kind, steps, hyper):
-    """torch.optim.AdamW: (params, {name: (m, v, step)}) after each step; torch.optim.Adam's L2
-    version for two steps, to recognise a coupled weight decay."""
-    out = {"adamw": [], "l2": []}
-    for name, make, n in (("adamw", torch.optim.AdamW, steps), ("l2", torch.optim.Adam, 2)):
-        model = build_model(kind, SEED)
-        opt = make(model.parameters(), foreach=False, **hyper)
-        for step in range(n):
-            _step(model, [opt], kind, step)
-            state = {k: (opt.state[p]["exp_avg"].clone(), opt.state[p]["exp_avg_sq"].clone(),
-                         int(opt.state[p]["step"])) for k, p in model.named_parameters() if opt.state.get(p)}
-            out[name].append((_snapshot(model), state))
-    return out
-
-
-_REFERENCES = {}
-
-
-def _reference(kind, steps, hyper, timeout):
-    key = (kind, steps, tuple(sorted(hyper.items())))
-    if key not in _REFERENCES:
-        _REFERENCES[key] = run_on_ranks(_reference_case, 1, args=(kind, steps, hyper), timeout=timeout,
-                                        forbid_adam=False, what="the reference (torch.optim.AdamW)")[0]
-    return _REFERENCES[key]
-
-
-def _state_problem(opt, model, ref_state, after):
-    """What is wrong with m, v and step in opt.state, compared with AdamW's; None if nothing."""
+def _state_problem(opt, model, record, after):
+    """What is wrong with m, v and step in opt.state, compared with AdamW's record; None if nothing."""
     for n, p in model.named_parameters():
-        if n not in ref_state:
+        if n not in record["step"]:
             continue
-        ref_m, ref_v, ref_step = ref_state[n]
+        ref_m, ref_v, ref_step = record["exp_avg"][n], record["exp_avg_sq"][n], record["step"][n]
         s = opt.state.get(p) if isinstance(opt.state, dict) else None
         if not s:
             return (f"{after} opt.state[p] of parameter {n} is empty: keep m, v and the step count in "
@@ -205,18 +147,17 @@ def _update_mistake(prev, p, state, hyper):
 
 
 def _numerics_case(rank, world_size, cls, kind, steps, hyper, reference):
-    with _refused(adam=True):
+    with refusing(NO_ZEROKIT_ADAM, everywhere=True):
         model = build_model(kind, SEED)
         opt = cls(model.parameters(), **hyper)
         for step in range(steps):
-            before = _snapshot(model)
+            before = snapshot(model)
             _step(model, [opt], kind, step)
-            ref_params, ref_state = reference["adamw"][step]
             after = f"after step {step + 1}"
-            problem = _state_problem(opt, model, ref_state, after)
+            problem = _state_problem(opt, model, reference["adamw"][step], after)
             for n, p in model.named_parameters():
                 try:
-                    assert_close(p, ref_params[n], f"parameter {n} {after}")
+                    assert_close(p, reference["adamw"][step]["params"][n], f"parameter {n} {after}")
                 except AssertionError as exc:
                     hint = _hint(step, n, model, opt, before, problem, hyper, reference)
                     raise AssertionError(f"{exc} — {hint}") from None  # one line: what nbgrader's feedback shows
@@ -226,7 +167,7 @@ def _numerics_case(rank, world_size, cls, kind, steps, hyper, reference):
 
 
 def _hint(step, name, model, opt, before, problem, hyper, reference):
-    if step < len(reference["l2"]) and all(_is_close(p, reference["l2"][step][0][n])
+    if step < len(reference["l2"]) and all(_is_close(p, reference["l2"][step]["params"][n])
                                            for n, p in model.named_parameters()):
         return ("your parameters match torch.optim.Adam with weight_decay, which adds λθ to the gradient (L2). "
                 "AdamW decouples it: θ ← θ(1 - lr·λ), applied to the weights directly, then the Adam step")
@@ -238,14 +179,17 @@ def _hint(step, name, model, opt, before, problem, hyper, reference):
                        "θ ← θ(1 - lr·λ), then θ ← θ - lr·m̂/(sqrt(v̂) + eps)")
 
 
-def check_adam_numerics(cls, model="mlp", steps=100, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
-                        timeout=60.0):
+def check_numerics(cls, model="mlp", steps=100, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
+                   timeout=60.0):
     """cls(params, lr=, betas=, eps=, weight_decay=) matches torch.optim.AdamW step by step: every
     parameter after every step, and m, v and the step count in opt.state[p]."""
     __tracebackhide__ = True
     _check_class(cls)
     hyper = _hyper(lr, betas, eps, weight_decay)
-    reference = _reference(model, steps, hyper, timeout)
+    # and torch.optim.Adam's L2 decay for two steps, to recognise that mistake
+    reference = {"adamw": adamw_reference(model, steps, hyper, _backward, (model,), seed=SEED, timeout=timeout),
+                 "l2": adamw_reference(model, 2, hyper, _backward, (model,), seed=SEED, optimizer="adam",
+                                       timeout=timeout)}
     psi = run_on_ranks(_numerics_case, 1, args=(cls, model, steps, hyper, reference), timeout=timeout,
                        what=cls.__name__)[0]
     passed(f"{cls.__name__} matches torch.optim.AdamW on {model} (Ψ = {psi}, lr {lr:g}, betas {tuple(betas)}, "
@@ -278,7 +222,7 @@ def _groups(cls, kind, hyper):
         out = []
         for step in range(4):
             _step(model, opts, kind, step)
-            out.append(_snapshot(model))
+            out.append(snapshot(model))
         return out
 
     for step, (got, expected) in enumerate(zip(run(split=False), run(split=True))):
@@ -293,7 +237,7 @@ def _scheduler(cls, kind, hyper):
     factors = [1.0, 0.5, 0.0, 0.0, 1.0]
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: factors[k % len(factors)])
     for step, factor in enumerate(factors):
-        before = _snapshot(model)
+        before = snapshot(model)
         _step(model, [opt], kind, step)
         sched.step()
         changed = [n for n, p in model.named_parameters() if not torch.equal(p, before[n])]
@@ -309,7 +253,7 @@ def _state_dict(cls, kind, hyper):
     straight = []
     for step in range(6):
         _step(model, [opt], kind, step)
-        straight.append(_snapshot(model))
+        straight.append(snapshot(model))
 
     model = build_model(kind, SEED)
     opt = cls(model.parameters(), **hyper)
@@ -328,7 +272,7 @@ def _state_dict(cls, kind, hyper):
     opt.load_state_dict(loaded["opt"])
     for step in range(3, 6):
         _step(model, [opt], kind, step)
-        _same(_snapshot(model), straight[step], step, "after state_dict(), torch.save, torch.load and "
+        _same(snapshot(model), straight[step], step, "after state_dict(), torch.save, torch.load and "
               "load_state_dict() into a fresh optimizer, training does not continue as it would have without the "
               "checkpoint", "everything the next step needs, m, v and each parameter's step count, must live in "
               "self.state[p]")
@@ -361,7 +305,7 @@ def _sometimes(cls, kind, hyper):
         out = []
         for step in range(7):
             before = model.gain.detach().clone()
-            x, y = global_batch("mlp", step, BATCH, SEED)
+            x, y = global_batch("mlp", step, BATCH, STREAM)
             torch.nn.functional.mse_loss(model(x, step), y).backward()
             for o in [opt] + ([gain_opt] if gain_opt and model.gain.grad is not None else []):
                 o.step()
@@ -370,7 +314,7 @@ def _sometimes(cls, kind, hyper):
                 raise AssertionError(f"in step {step + 1} parameter gain had no gradient (.grad is None), yet your "
                                      "step changed it: skip a parameter without a gradient entirely (no weight "
                                      "decay, no moment update, no step count), as torch.optim.AdamW does")
-            out.append(_snapshot(model))
+            out.append(snapshot(model))
         return out
 
     for step, (got, expected) in enumerate(zip(run(split=False), run(split=True))):
@@ -385,7 +329,7 @@ SCENARIOS = {"groups": (_groups, "two param groups"), "scheduler": (_scheduler, 
 
 
 def _contract_case(rank, world_size, cls, kind, hyper, scenarios):
-    with _refused(adam=True):
+    with refusing(NO_ZEROKIT_ADAM, everywhere=True):
         for name in scenarios:
             try:
                 SCENARIOS[name][0](cls, kind, hyper)
@@ -397,7 +341,7 @@ def _contract_case(rank, world_size, cls, kind, hyper, scenarios):
     return True
 
 
-def check_adam_contract(cls, model="mlp", lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
+def check_contract(cls, model="mlp", lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
                         scenarios=tuple(SCENARIOS), timeout=60.0):
     """cls behaves as a torch.optim optimizer: param groups, an LR scheduler, a state_dict round
     trip, a parameter whose .grad is None skipped and per-parameter step counts."""
@@ -414,16 +358,16 @@ def check_adam_contract(cls, model="mlp", lr=1e-2, betas=(0.9, 0.999), eps=1e-8,
 
 
 def _zero_grad_case(rank, world_size, cls, kind):
-    with _refused(adam=True):
+    with refusing(NO_ZEROKIT_ADAM, everywhere=True):
         model = build_model(kind, SEED)
         opt = cls(model.parameters(), **HYPER)
-        batches = [global_batch(kind, s, BATCH, SEED) for s in range(2)]
+        batches = [global_batch(kind, s, BATCH, STREAM) for s in range(2)]
         fresh = build_model(kind, SEED)  # the gradient of batch 1 alone
-        loss_for(kind, fresh(batches[1][0]), batches[1][1]).backward()
+        model_loss(kind, fresh(batches[1][0]), batches[1][1]).backward()
         expected = {n: p.grad for n, p in fresh.named_parameters()}
 
         for set_to_none in (False, True):
-            loss_for(kind, model(batches[0][0]), batches[0][1]).backward()
+            model_loss(kind, model(batches[0][0]), batches[0][1]).backward()
             with torch.no_grad():  # a bad batch: an overflow left NaN and inf in the gradients
                 for p in model.parameters():
                     if p.grad is not None and p.grad.numel() >= 2:
@@ -444,7 +388,7 @@ def _zero_grad_case(rank, world_size, cls, kind):
                 if bool(p.grad.abs().max() > 0):
                     raise AssertionError(f"after {call} the gradient of {n} is not zero (max |g| = "
                                          f"{float(p.grad.abs().max()):.3g}): zero_grad must clear every gradient")
-            loss_for(kind, model(batches[1][0]), batches[1][1]).backward()
+            model_loss(kind, model(batches[1][0]), batches[1][1]).backward()
             for n, p in model.named_parameters():
                 if expected[n] is not None:
                     assert_close(p.grad, expected[n], f"the gradient of {n} after {call} and one backward "
@@ -472,12 +416,10 @@ class HandMixedPrecision:
     the masters (fp32 m and v): 4 + 4 + 4 = 12 bytes of optimizer state per parameter."""
 
     def __init__(self, model, lr=1e-3):
-        from ..adam import Adam
-
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.masters = [p.detach().clone().float() for p in self.params]  # before the cast: no rounding
         model.to(torch.bfloat16)
-        self.adam = Adam(self.masters, lr=lr)
+        self.adam = zerokit_adam.Adam(self.masters, lr=lr)
         self.state = self.adam.state
 
     @torch.no_grad()
@@ -496,18 +438,15 @@ class HandMixedPrecision:
 
 def measure_model_state(kind="mlp", precision="fp32"):
     """(Ψ, bytes per category) right after one training step (gradients alive), by zerokit.census."""
-    from ..adam import Adam
-    from ..memory import census
-
     model = build_model(kind, SEED)
     psi = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    opt = Adam(model.parameters(), lr=1e-3) if precision == "fp32" else HandMixedPrecision(model)
-    x, y = global_batch(kind, 0, BATCH, SEED)
+    opt = zerokit_adam.Adam(model.parameters(), lr=1e-3) if precision == "fp32" else HandMixedPrecision(model)
+    x, y = global_batch(kind, 0, BATCH, STREAM)
     if precision == "mixed" and x.is_floating_point():
         x = x.to(torch.bfloat16)
-    loss_for(kind, model(x).float(), y).backward()
+    model_loss(kind, model(x).float(), y).backward()
     opt.step()
-    measured = census(model, opt, scan=False)
+    measured = zerokit_memory.census(model, opt, scan=False)
     return psi, {c: measured[c] for c in CATEGORIES}
 
 
@@ -530,7 +469,7 @@ _LAYOUTS = {"fp32": "fp32 weights (4) + fp32 gradients (4) + Adam's fp32 m and v
 
 def _bytes_case(rank, world_size, fn, kinds):
     rows = []
-    with _refused(theory=True):
+    with refusing(NO_ZEROKIT_THEORY, everywhere=True):
         for kind in kinds:
             for precision in ("fp32", "mixed"):
                 psi, measured = measure_model_state(kind, precision)
@@ -550,7 +489,7 @@ def _bytes_case(rank, world_size, fn, kinds):
     return rows
 
 
-def check_model_state_bytes(fn, models=("mlp",), timeout=60.0):
+def check_memory(fn, models=("mlp",), timeout=60.0):
     """fn(psi, precision) gives the model-state bytes per category, equal to what zerokit.census
     measures on real models after a step, for "fp32" and "mixed" (bf16 + fp32 masters)."""
     __tracebackhide__ = True
@@ -560,3 +499,8 @@ def check_model_state_bytes(fn, models=("mlp",), timeout=60.0):
     desc = "; ".join(f"{kind} {precision}: {sum(m.values())} B = {sum(m.values()) // psi} x Ψ"
                      for kind, precision, psi, m in rows)
     passed(f"model_state_bytes matches the bytes zerokit.census measured ({desc}); a 7B model: 112 GB")
+
+
+check_adam_numerics = alias(check_numerics, "check_adam_numerics")
+check_adam_contract = alias(check_contract, "check_adam_contract")
+check_model_state_bytes = alias(check_memory, "check_model_state_bytes")

@@ -4,10 +4,10 @@ r"""Checks for lesson 02 (data parallel Adam): the mean gradient, and replicas t
                                                     of the whole batch (the mean, not the sum); a
                                                     parameter no rank used keeps .grad None; fn
                                                     all-reduces about Ψ elements and nothing else
-    check_ddp_numerics(cls, world_size, model)      replicas start from rank 0's weights, stay bitwise
+    check_numerics(cls, world_size, model)          replicas start from rank 0's weights, stay bitwise
                                                     equal, and match torch.optim.AdamW on the whole
                                                     batch after every step (weights, and m, v)
-    check_ddp_collectives(cls, world_size, model)   per step: all-reduces of Ψ elements in all (one
+    check_traffic(cls, world_size, model)           per step: all-reduces of Ψ elements in all (one
                                                     flat buffer or one per parameter), no broadcast
                                                     or all-gather of the parameters
 
@@ -25,84 +25,43 @@ import inspect
 import torch
 import torch.distributed as dist
 
+from .. import ddp as zerokit_ddp
 from ..comm import CommCounter
-from ..ddp import average_gradients as _reference_average_gradients
-from ..models import EdgeCaseNet, OddMLP, TinyTransformer, loss_for, make_batch
-from ..reference import rank_slice
+from ..models import build_model, model_loss
 from .compare import assert_close, max_abs_diff
 from .harness import CheckFailed, passed, run_on_ranks
+from .kit import adamw_reference, alias, check_class, global_batch, rank_batch, refusing, trainable
 
-__all__ = ["MODELS", "build_model", "check_average_gradients", "check_ddp_numerics", "check_ddp_collectives"]
+__all__ = ["check_average_gradients", "check_numerics", "check_traffic"]
 
 GLOBAL_BATCH = 12  # divisible by 2, 3 and 4: every rank gets its own, equal slice
+STREAM = 202  # this lesson's data
 HYPER = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8)
 SMALL = 64  # elements of bookkeeping (counts, flags) a step may communicate besides the gradient
 
-# name -> (factory, batch kind)
-MODELS = {
-    "mlp": (lambda: OddMLP((27, 36, 7)), "mlp"),  # Ψ = 1267
-    "edge": (EdgeCaseNet, "edge"),  # tied, frozen and unused parameters
-    "transformer": (lambda: TinyTransformer(vocab=101, dim=22, n_layers=2, n_heads=2, seq_len=9), "transformer"),
-}
-_BATCH_KW = {"transformer": {"vocab": 101, "seq_len": 9}}
+_WRITE_IT = "the exercise is to write them yourself"
+# zerokit's own data parallel code may not do the student's work inside a check
+NO_ZEROKIT_DDP = [(zerokit_ddp.DistributedAdam, "__init__", f"your code used zerokit's DistributedAdam: {_WRITE_IT}"),
+                  (zerokit_ddp, "average_gradients", f"your code used zerokit's average_gradients: {_WRITE_IT}"),
+                  (zerokit_ddp, "broadcast_parameters", f"your code used zerokit's broadcast_parameters: {_WRITE_IT}")]
 
 
-def build_model(name, seed=0):
-    if name not in MODELS:
-        raise ValueError(f"model must be one of {sorted(MODELS)}, not {name!r}")
-    torch.manual_seed(seed)
-    return MODELS[name][0]()
-
-
-def _batch(name, step, rank=None, world_size=None):
-    kind = MODELS[name][1]
-    x, y = make_batch(kind, GLOBAL_BATCH, seed=202 + step, **_BATCH_KW.get(kind, {}))
+def _backward(model, step, name, rank=None, world_size=None):
+    """The gradient of the global batch of `step` (one process), or of this rank's slice of it."""
     if rank is None:
-        return x, y
-    return rank_slice(x, rank, world_size), rank_slice(y, rank, world_size)
-
-
-def _backward(name, model, step, rank=None, world_size=None):
-    x, y = _batch(name, step, rank, world_size)
-    loss_for(MODELS[name][1], model(x), y).backward()
-
-
-def _trainable(model):
-    return [p for p in model.parameters() if p.requires_grad]
+        x, y = global_batch(name, step, GLOBAL_BATCH, STREAM)
+    else:
+        x, y = rank_batch(name, step, GLOBAL_BATCH, rank, world_size, STREAM)
+    model_loss(name, model(x), y).backward()
 
 
 def _used_numel(model):
     """Ψ as the gradient sees it: trainable parameters that get a gradient from the batch."""
-    return sum(p.numel() for p in _trainable(model) if p.grad is not None)
-
-
-class _NoZeroKitDDP:
-    """Inside a check: zerokit's own data parallel code may not do the student's work."""
-
-    def __enter__(self):
-        from .. import ddp
-
-        def refuse(*_a, **_k):
-            raise AssertionError("your code used zerokit's DistributedAdam / average_gradients / "
-                                 "broadcast_parameters: the exercise is to write them yourself")
-
-        self.saved = [(ddp.DistributedAdam, "__init__", ddp.DistributedAdam.__init__),
-                      (ddp, "average_gradients", ddp.average_gradients),
-                      (ddp, "broadcast_parameters", ddp.broadcast_parameters)]
-        for owner, name, _ in self.saved:
-            setattr(owner, name, refuse)
-        return self
-
-    def __exit__(self, *exc):
-        for owner, name, value in self.saved:
-            setattr(owner, name, value)
-        return False
+    return sum(p.numel() for _, p in trainable(model) if p.grad is not None)
 
 
 def _refuse_zerokit_function(fn):
-    from .. import ddp
-
-    if fn is ddp.average_gradients:
+    if fn is zerokit_ddp.average_gradients:
         raise CheckFailed("average_gradients is zerokit.ddp.average_gradients itself: the exercise is to write "
                           "it yourself")
 
@@ -126,13 +85,13 @@ def _describe_wrong_mean(mine, expected, local, world_size):
 
 
 def _average_case(rank, world_size, fn, name):
-    with _NoZeroKitDDP():
+    with refusing(*NO_ZEROKIT_DDP):
         model = build_model(name)
         params = list(model.parameters())
-        _backward(name, model, 0)  # the whole batch on one process: the gradient to expect
+        _backward(model, 0, name)  # the whole batch on one process: the gradient to expect
         expected = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
         model.zero_grad(set_to_none=True)
-        _backward(name, model, 0, rank, world_size)  # this rank's micro-batch
+        _backward(model, 0, name, rank, world_size)  # this rank's micro-batch
         local = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
         psi = _used_numel(model)
         with CommCounter() as comm:
@@ -158,7 +117,7 @@ def _average_case(rank, world_size, fn, name):
     for c in comm.calls:
         ops.setdefault(c.op, []).append(c.numel)
     reduced = sum(ops.get("all_reduce", []))
-    n_params = len(_trainable(model))
+    n_params = len(trainable(model))
     said = ", ".join(f"{op} x{len(v)} ({sum(v)} elements)" for op, v in ops.items()) or "no collective"
     if not psi <= reduced <= psi + n_params + SMALL:
         raise AssertionError(
@@ -170,7 +129,7 @@ def _average_case(rank, world_size, fn, name):
     return psi, ops
 
 
-def check_average_gradients(fn, world_size=2, model="mlp", timeout=60.0):
+def check_average_gradients(fn, world_size=2, model="small-mlp", timeout=60.0):
     """fn(params) on world_size ranks, each holding the gradient of its own micro-batch, leaves on every
     rank the gradient of the whole batch (the mean of the ranks'), and all-reduces about Ψ elements."""
     __tracebackhide__ = True
@@ -189,15 +148,13 @@ def check_average_gradients(fn, world_size=2, model="mlp", timeout=60.0):
 
 
 def _check_class(cls):
-    from ..ddp import DistributedAdam
+    check_class(cls, "your optimizer class",
+                refuse=[(zerokit_ddp.DistributedAdam, "the exercise is to write data parallel Adam yourself "
+                         "(subclass zerokit.adam.Adam, as the scaffold does)")],
+                base_hint="keep the scaffold's base class")
 
-    if not isinstance(cls, type):
-        raise CheckFailed(f"expected your optimizer class, got {type(cls).__name__}")
-    if issubclass(cls, DistributedAdam):
-        raise CheckFailed(f"{cls.__name__} subclasses zerokit.DistributedAdam: the exercise is to write data "
-                          "parallel Adam yourself (subclass zerokit.adam.Adam, as the scaffold does)")
-    if not issubclass(cls, torch.optim.Optimizer):
-        raise CheckFailed(f"{cls.__name__} is not a torch.optim.Optimizer: keep the scaffold's base class")
+
+_REFERENCE_AVERAGE = zerokit_ddp.average_gradients  # taken before any check refuses it
 
 
 def _use_reference_average(cls):
@@ -208,7 +165,7 @@ def _use_reference_average(cls):
             glob = getattr(fn, "__globals__", None)
             if (glob is not None and callable(glob.get("average_gradients"))
                     and not str(glob.get("__name__", "")).startswith(("zerokit.", "torch."))):
-                glob["average_gradients"] = _reference_average_gradients
+                glob["average_gradients"] = _REFERENCE_AVERAGE
 
 
 def _make(cls, model, weight_decay):
@@ -242,34 +199,8 @@ def _first_replica_difference(flat):
 # numerics: replicas equal, and equal to torch.optim.AdamW on the whole batch
 
 
-def _reference_case(rank, world_size, name, steps, weight_decay):
-    """One process, torch.optim.AdamW on the whole batch: per step ({name: weight}, {name: (m, v)})."""
-    model = build_model(name)
-    opt = torch.optim.AdamW(_trainable(model), weight_decay=weight_decay, foreach=False, **HYPER)
-    out = []
-    for step in range(steps):
-        _backward(name, model, step)
-        opt.step()
-        opt.zero_grad()
-        state = {n: (opt.state[p]["exp_avg"].clone(), opt.state[p]["exp_avg_sq"].clone())
-                 for n, p in model.named_parameters() if p in opt.state}
-        out.append(({n: p.detach().clone() for n, p in model.named_parameters()}, state))
-    return out
-
-
-_REFERENCES = {}
-
-
-def _reference(name, steps, weight_decay, timeout):
-    key = (name, steps, weight_decay)
-    if key not in _REFERENCES:
-        _REFERENCES[key] = run_on_ranks(_reference_case, 1, args=(name, steps, weight_decay), timeout=timeout,
-                                        forbid_adam=False, what="the reference (torch.optim.AdamW)")[0]
-    return _REFERENCES[key]
-
-
 def _numerics_case(rank, world_size, cls, name, steps, weight_decay, reference):
-    with _NoZeroKitDDP():
+    with refusing(*NO_ZEROKIT_DDP):
         _use_reference_average(cls)
         # every rank builds its own random model: only rank 0's is the reference's, so the
         # replicas start equal only if the optimizer makes them so
@@ -283,7 +214,7 @@ def _numerics_case(rank, world_size, cls, name, steps, weight_decay, reference):
                 f"{differs[1]:.3g}): every rank builds its model with its own random initialisation, so the "
                 "optimizer must copy rank 0's parameters to every rank (dist.broadcast(p.data, src=0)) in __init__")
         for step in range(steps):
-            _backward(name, model, step, rank, world_size)
+            _backward(model, step, name, rank, world_size)
             opt.step()
             after = f"after step {step + 1}"
             differs = _first_replica_difference(_flat(model.parameters()))
@@ -297,12 +228,12 @@ def _numerics_case(rank, world_size, cls, name, steps, weight_decay, reference):
                 raise AssertionError(f"{after} rank {differs[0]} holds other weights than rank 0 (max |difference| "
                                      f"{differs[1]:.3g}): the replicas drifted apart; {hint}")
             opt.zero_grad()
-            ref_params, ref_state = reference[step]
+            record = reference[step]
             named = dict(model.named_parameters())
             state = getattr(opt, "state", {})
             for n in names:
                 p = named[n]
-                if n in ref_state:
+                if n in record["exp_avg"]:
                     held = state.get(p) if isinstance(state, dict) else None
                     if not isinstance(held, dict) or not {"exp_avg", "exp_avg_sq"} <= held.keys():
                         # without them m and v cannot be compared, and a sum could hide in them
@@ -310,7 +241,8 @@ def _numerics_case(rank, world_size, cls, name, steps, weight_decay, reference):
                             f"{after}: self.state[p] of parameter {n} holds no m and v (keys: "
                             f"{sorted(held) if isinstance(held, dict) else 'none'}): keep Adam's m and v in "
                             "self.state[p]['exp_avg'] and self.state[p]['exp_avg_sq'], as lesson 01's Adam does")
-                    for key, ref, what in (("exp_avg", ref_state[n][0], "m"), ("exp_avg_sq", ref_state[n][1], "v")):
+                    for key, what in (("exp_avg", "m"), ("exp_avg_sq", "v")):
+                        ref = record[key][n]
                         scale = float(ref.abs().max())
                         try:
                             assert_close(state[p][key], ref, f"{what} (state['{key}']) of {n} {after}",
@@ -319,16 +251,17 @@ def _numerics_case(rank, world_size, cls, name, steps, weight_decay, reference):
                             raise AssertionError(
                                 f"{exc}\n  (Adam's state sees the gradient you stepped with: is it the mean over "
                                 "the ranks, not the sum?)") from None
-                assert_close(p.detach(), ref_params[n], f"parameter {n} {after}")
-    return sum(p.numel() for p in _trainable(model))
+                assert_close(p.detach(), record["params"][n], f"parameter {n} {after}")
+    return sum(p.numel() for _, p in trainable(model))
 
 
-def check_ddp_numerics(cls, world_size=2, model="mlp", steps=4, weight_decay=0.01, timeout=60.0):
+def check_numerics(cls, world_size=2, model="small-mlp", steps=4, weight_decay=0.01, timeout=60.0):
     """cls on world_size ranks, each on its own slice of the batch: replicas start from rank 0's
     weights, stay bitwise equal, and match torch.optim.AdamW on the whole batch after every step."""
     __tracebackhide__ = True
     _check_class(cls)
-    reference = _reference(model, steps, weight_decay, timeout)
+    reference = adamw_reference(model, steps, {**HYPER, "weight_decay": weight_decay}, _backward, (model,),
+                                timeout=timeout)
     psi = run_on_ranks(_numerics_case, world_size, args=(cls, model, steps, weight_decay, reference),
                        timeout=timeout, what=cls.__name__)[0]
     passed(f"{cls.__name__} on {world_size} ranks ({model}, Ψ = {psi}, weight decay {weight_decay:g}): replicas "
@@ -340,14 +273,14 @@ def check_ddp_numerics(cls, world_size=2, model="mlp", steps=4, weight_decay=0.0
 
 
 def _comm_case(rank, world_size, cls, name, steps, weight_decay):
-    with _NoZeroKitDDP():
+    with refusing(*NO_ZEROKIT_DDP):
         _use_reference_average(cls)
         model = build_model(name)
         initial = _flat(model.parameters())
         opt = _make(cls, model, weight_decay)
         per_step = []
         for step in range(steps):
-            _backward(name, model, step, rank, world_size)
+            _backward(model, step, name, rank, world_size)
             psi = _used_numel(model)
             with CommCounter() as comm:
                 opt.step()
@@ -358,7 +291,7 @@ def _comm_case(rank, world_size, cls, name, steps, weight_decay):
             raise AssertionError("after your steps some parameters are NaN or inf")
         if torch.equal(now, initial):
             raise AssertionError("your step() left every parameter unchanged")
-    n_params = len(_trainable(model))
+    n_params = len(trainable(model))
     for step, calls in enumerate(per_step):
         ops = {}
         for op, numel in calls:
@@ -383,7 +316,7 @@ def _comm_case(rank, world_size, cls, name, steps, weight_decay):
     return psi, per_step[-1]
 
 
-def check_ddp_collectives(cls, world_size=2, model="mlp", steps=2, weight_decay=0.01, timeout=60.0):
+def check_traffic(cls, world_size=2, model="small-mlp", steps=2, weight_decay=0.01, timeout=60.0):
     """Each step: all-reduces of the gradient, Ψ elements in all (volume 2Ψ), and no broadcast or
     all-gather of the parameters."""
     __tracebackhide__ = True
@@ -394,3 +327,7 @@ def check_ddp_collectives(cls, world_size=2, model="mlp", steps=2, weight_decay=
     count = sum(1 for op, _ in calls if op == "all_reduce")
     passed(f"per step on {world_size} ranks: {count} all-reduce call(s) of {reduced} elements in all "
            f"(Ψ = {psi}; volume 2Ψ = {2 * reduced}), no broadcast of the parameters")
+
+
+check_ddp_numerics = alias(check_numerics, "check_ddp_numerics")
+check_ddp_collectives = alias(check_traffic, "check_ddp_collectives")

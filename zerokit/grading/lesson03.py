@@ -1,14 +1,14 @@
 r"""Checks for lesson 03 (ZeRO-1): padded shards, and an Adam step on one shard per rank.
 
     check_shard_range(shard_range, world_size)   equal shards tiling ceil(numel/N)*N, nothing dropped
-    check_zero1_numerics(cls, world_size, model) weights after every step AND this rank's m, v shard
+    check_numerics(cls, world_size, model)       weights after every step AND this rank's m, v shard
                                                  against torch.optim.AdamW on the whole batch
-    check_zero1_memory(cls, world_size, model)   what the optimizer keeps alive per rank: ~8Ψ/N bytes
-    check_zero1_collectives(cls, world_size, model)  per step one reduce-scatter and one all-gather
+    check_memory(cls, world_size, model)         what the optimizer keeps alive per rank: ~8Ψ/N bytes
+    check_traffic(cls, world_size, model)        per step one reduce-scatter and one all-gather
                                                  of Ψ (+padding), no all-reduce of the gradient
 
 Each class check answers one question, so one bug costs one check: the numbers (numerics),
-the stage's memory promise (memory), the stage's traffic (collectives). An implementation
+the stage's memory promise (memory), the stage's traffic. An implementation
 with the right numbers but full-size m and v passes the first and fails the second;
 all-reduce-then-slice passes the first two and fails the third.
 
@@ -28,53 +28,28 @@ import gc
 import torch
 import torch.distributed as dist
 
+from .. import zero1 as zerokit_zero1
 from ..comm import CommCounter, reduce_scatter
 from ..flat import padded_numel
 from ..flat import shard_range as reference_shard_range
-from ..models import EdgeCaseNet, OddMLP, TinyTransformer, loss_for, make_batch
-from ..reference import rank_slice
+from ..models import build_model, model_loss
 from .compare import assert_close
 from .harness import CheckFailed, passed, run_on_ranks
+from .kit import (adamw_reference, alias, assert_changed, check_class, global_batch, optimizer_held_bytes,
+                  psi_of, rank_batch, refusing, trainable)
 
-__all__ = ["MODELS", "build_model", "check_shard_range", "check_zero1_numerics", "check_zero1_memory",
-           "check_zero1_collectives", "optimizer_held_bytes"]
+__all__ = ["check_shard_range", "check_numerics", "check_memory", "check_traffic"]
 
 GLOBAL_BATCH = 12  # divisible by 2, 3 and 4: every rank gets its own, equal slice
+STREAM = 303  # this lesson's data
 HYPER = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8)
 STATE_RTOL = 1e-4
 SCALARS_ALLOWANCE = 1024  # bytes of small bookkeeping tensors an optimizer may keep
 
-# name -> (factory, batch kind). Sizes divide by none of 2, 3, 4 where the model allows it.
-MODELS = {
-    "mlp": (lambda: OddMLP((27, 36, 7)), "mlp"),  # Ψ = 1267
-    "wide": (lambda: OddMLP((27, 300, 7)), "mlp"),  # Ψ = 10507
-    "edge": (EdgeCaseNet, "edge"),  # Ψ = 745: tied, frozen and unused parameters
-    "transformer": (lambda: TinyTransformer(vocab=101, dim=22, n_layers=2, n_heads=2, seq_len=9), "transformer"),
-}
-_BATCH_KW = {"transformer": {"vocab": 101, "seq_len": 9}}
-
-
-def build_model(name, seed=0):
-    if name not in MODELS:
-        raise ValueError(f"model must be one of {sorted(MODELS)}, not {name!r}")
-    torch.manual_seed(seed)
-    return MODELS[name][0]()
-
-
-def _batch(name, step, rank=None, world_size=None):
-    kind = MODELS[name][1]
-    x, y = make_batch(kind, GLOBAL_BATCH, seed=303 + step, **_BATCH_KW.get(kind, {}))
-    if rank is None:
-        return x, y
-    return rank_slice(x, rank, world_size), rank_slice(y, rank, world_size)
-
-
-def _trainable(model):
-    return [p for p in model.parameters() if p.requires_grad]
-
-
-def _psi(model):
-    return sum(p.numel() for p in _trainable(model))
+# zerokit's own ZeRO-1 may not do the student's work inside a check (composition)
+_USED = ("your optimizer used zerokit's ZeRO1Adam / ShardedAdamState: the exercise is to write the sharded step "
+         "yourself")
+NO_ZEROKIT_STAGE = [(zerokit_zero1.ZeRO1Adam, "__init__", _USED), (zerokit_zero1.ShardedAdamState, "__init__", _USED)]
 
 
 # ---------------------------------------------------------------------------------------
@@ -158,38 +133,9 @@ def check_shard_range(shard_range, world_size=2, sizes=(8, 7, 1), table_world_si
 
 
 def _check_class(cls):
-    from ..zero1 import ShardedAdamState, ZeRO1Adam
-
-    if not isinstance(cls, type):
-        raise CheckFailed(f"expected your optimizer class, got {type(cls).__name__}")
-    for forbidden in (ZeRO1Adam, ShardedAdamState):
-        if issubclass(cls, forbidden):
-            raise CheckFailed(f"{cls.__name__} subclasses zerokit.{forbidden.__name__}: the exercise is to write "
-                              "ZeRO-1 yourself (subclass torch.optim.Optimizer, as the scaffold does)")
-    if not issubclass(cls, torch.optim.Optimizer):
-        raise CheckFailed(f"{cls.__name__} is not a torch.optim.Optimizer: keep the scaffold's base class")
-
-
-class _NoZeroKitStage:
-    """Inside a check: zerokit's own ZeRO-1 may not do the student's work (composition)."""
-
-    def __enter__(self):
-        from .. import zero1
-
-        def refuse(*_a, **_k):
-            raise AssertionError("your optimizer used zerokit's ZeRO1Adam / ShardedAdamState: "
-                                 "the exercise is to write the sharded step yourself")
-
-        self.saved = [(zero1.ZeRO1Adam, "__init__", zero1.ZeRO1Adam.__init__),
-                      (zero1.ShardedAdamState, "__init__", zero1.ShardedAdamState.__init__)]
-        for owner, name, _ in self.saved:
-            setattr(owner, name, refuse)
-        return self
-
-    def __exit__(self, *exc):
-        for owner, name, value in self.saved:
-            setattr(owner, name, value)
-        return False
+    check_class(cls, "your optimizer class",
+                refuse=[(zerokit_zero1.ZeRO1Adam, "the exercise is to write ZeRO-1 yourself (subclass "
+                         "torch.optim.Optimizer, as the scaffold does)")])
 
 
 def _make(cls, model, weight_decay):
@@ -199,55 +145,29 @@ def _make(cls, model, weight_decay):
     return opt
 
 
+def _backward(model, step, name, rank=None, world_size=None):
+    """The gradient of the global batch of `step` (one process), or of this rank's slice of it."""
+    if rank is None:
+        x, y = global_batch(name, step, GLOBAL_BATCH, STREAM)
+    else:
+        x, y = rank_batch(name, step, GLOBAL_BATCH, rank, world_size, STREAM)
+    model_loss(name, model(x), y).backward()
+
+
 def _train_step(name, model, opt, step, rank, world_size):
-    x, y = _batch(name, step, rank, world_size)
-    loss_for(MODELS[name][1], model(x), y).backward()
+    _backward(model, step, name, rank, world_size)
     opt.step()
     opt.zero_grad()
 
 
-def _changed(model, initial):
-    """The step must do something: parameters moved and stayed finite (a no-op scores nothing)."""
-    now = [p.detach() for p in model.parameters()]
-    if not all(bool(torch.isfinite(p).all()) for p in now):
-        raise AssertionError("after your steps some parameters are NaN or inf")
-    if all(torch.equal(a, b) for a, b in zip(now, initial)):
-        raise AssertionError("your step() left every parameter unchanged")
+def _flat_state(record, key, model):
+    """AdamW's m or v of every trainable parameter, laid end to end (zeros where it has none)."""
+    return torch.cat([record[key][n].reshape(-1) if n in record[key] else torch.zeros(p.numel())
+                      for n, p in trainable(model)])
 
 
 # ---------------------------------------------------------------------------------------
 # numerics: weights and optimizer-state slices against torch.optim.AdamW
-
-
-def _reference_case(rank, world_size, name, steps, weight_decay):
-    """One process, torch.optim.AdamW on the whole batch: per step {name: weight}, flat m, flat v."""
-    model = build_model(name)
-    params = _trainable(model)
-    opt = torch.optim.AdamW(params, weight_decay=weight_decay, foreach=False, **HYPER)
-    out = []
-    for step in range(steps):
-        x, y = _batch(name, step)
-        loss_for(MODELS[name][1], model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-
-        def flat(key):
-            return torch.cat([opt.state[p][key].reshape(-1) if p in opt.state else torch.zeros(p.numel())
-                              for p in params]).clone()
-
-        out.append(({n: p.detach().clone() for n, p in model.named_parameters()}, flat("exp_avg"), flat("exp_avg_sq")))
-    return out
-
-
-_REFERENCES = {}
-
-
-def _reference(name, steps, weight_decay, timeout):
-    key = (name, steps, weight_decay)
-    if key not in _REFERENCES:
-        _REFERENCES[key] = run_on_ranks(_reference_case, 1, args=(name, steps, weight_decay), timeout=timeout,
-                                        forbid_adam=False, what="the reference (torch.optim.AdamW)")[0]
-    return _REFERENCES[key]
 
 
 def _own_state(opt, attr, psi, world_size, rank):
@@ -273,9 +193,9 @@ def _own_state(opt, attr, psi, world_size, rank):
 
 
 def _numerics_case(rank, world_size, cls, name, steps, weight_decay, reference):
-    with _NoZeroKitStage():
+    with refusing(*NO_ZEROKIT_STAGE):
         model = build_model(name)
-        psi = _psi(model)
+        psi = psi_of(model)
         start, end = reference_shard_range(psi, world_size, rank)
         pad = padded_numel(psi, world_size) - psi
         trainable = [n for n, p in model.named_parameters() if p.requires_grad]
@@ -288,7 +208,9 @@ def _numerics_case(rank, world_size, cls, name, steps, weight_decay, reference):
         for step in range(steps):
             before = flat_weights()
             _train_step(name, model, opt, step, rank, world_size)
-            ref_params, ref_m, ref_v = reference[step]
+            record = reference[step]
+            ref_params, ref_m, ref_v = record["params"], _flat_state(record, "exp_avg", model), \
+                _flat_state(record, "exp_avg_sq", model)
             after = f"after step {step + 1}"
             # the state first: it names the cause (a sum for a mean, state that does not persist)
             # where the weights would only say "differs"
@@ -323,12 +245,13 @@ def _numerics_case(rank, world_size, cls, name, steps, weight_decay, reference):
     return psi
 
 
-def check_zero1_numerics(cls, world_size=2, model="mlp", steps=4, weight_decay=0.01, timeout=60.0):
+def check_numerics(cls, world_size=2, model="small-mlp", steps=4, weight_decay=0.01, timeout=60.0):
     """cls on world_size ranks, each on its own slice of the batch, matches torch.optim.AdamW on the
     whole batch in one process: every parameter after every step, and this rank's shard of m and v."""
     __tracebackhide__ = True
     _check_class(cls)
-    reference = _reference(model, steps, weight_decay, timeout)
+    reference = adamw_reference(model, steps, {**HYPER, "weight_decay": weight_decay}, _backward, (model,),
+                                timeout=timeout)
     psi = run_on_ranks(_numerics_case, world_size, args=(cls, model, steps, weight_decay, reference),
                        timeout=timeout, what=cls.__name__)[0]
     passed(f"{cls.__name__} matches torch.optim.AdamW on {world_size} ranks ({model}, Ψ = {psi}, weight decay "
@@ -339,46 +262,6 @@ def check_zero1_numerics(cls, world_size=2, model="mlp", steps=4, weight_decay=0
 # memory: what the optimizer keeps alive per rank
 
 
-def _live_tensors():
-    """Every tensor Python can reach in this process, one per storage (the largest view)."""
-    out = {}
-    for obj in gc.get_objects():
-        if issubclass(type(obj), torch.Tensor) and not obj.is_meta:
-            try:
-                s = obj.untyped_storage()
-            except (RuntimeError, NotImplementedError):
-                continue
-            if s.nbytes():
-                key = (s.device.type, s.data_ptr())
-                if key not in out or out[key][0] < s.nbytes():
-                    # the storage object too: a parameter whose .data is replaced would otherwise free
-                    # its old memory, and a new tensor there would pass for one that existed before
-                    out[key] = (s.nbytes(), obj, s)
-    return out
-
-
-def optimizer_held_bytes(model, run_steps):
-    """Bytes of tensor storage that appear while `run_steps(model)` runs and are neither the model's
-    parameters nor its gradients: what an optimizer built and stepped inside it keeps alive.
-
-    Returns (bytes, [(nbytes, numel of the largest tensor on that storage)], largest first).
-    Tensors alive before are held meanwhile, so new ones cannot reuse their memory and hide.
-    """
-    gc.collect()
-    before = _live_tensors()
-    keep = run_steps(model)
-    gc.collect()
-    after = _live_tensors()
-    exclude = set(before)
-    for p in model.parameters():
-        exclude.add((p.device.type, p.untyped_storage().data_ptr()))
-        if p.grad is not None:
-            exclude.add((p.grad.device.type, p.grad.untyped_storage().data_ptr()))
-    held = sorted(((nbytes, t.numel()) for k, (nbytes, t, _) in after.items() if k not in exclude), reverse=True)
-    del keep, before, after
-    return sum(n for n, _ in held), held
-
-
 def _memory_case(rank, world_size, cls, name, steps, weight_decay):
     # The worker was forked from a process that has run no tensor operation: no tensor is alive
     # yet. Freezing moves the ~300k objects alive now into the collector's permanent generation,
@@ -386,15 +269,13 @@ def _memory_case(rank, world_size, cls, name, steps, weight_decay):
     # check creates (a full scan would cost about a second per rank).
     gc.freeze()
     try:
-        with _NoZeroKitStage():
+        with refusing(*NO_ZEROKIT_STAGE):
             model = build_model(name)
-            psi = _psi(model)
+            psi = psi_of(model)
             # one forward and backward first: whatever torch creates lazily exists before we count
-            x, y = _batch(name, 0, rank, world_size)
-            loss_for(MODELS[name][1], model(x), y).backward()
+            _backward(model, 0, name, rank, world_size)
             for p in model.parameters():
                 p.grad = None
-            del x, y
             initial = [p.detach().clone() for p in model.parameters()]
 
             def run_steps(model):
@@ -404,13 +285,13 @@ def _memory_case(rank, world_size, cls, name, steps, weight_decay):
                 return opt
 
             held_bytes, held = optimizer_held_bytes(model, run_steps)
-            _changed(model, initial)
+            assert_changed(model, initial)
     finally:
         gc.unfreeze()
     return held_bytes, held, psi, -(-psi // world_size)
 
 
-def check_zero1_memory(cls, world_size=4, model="wide", steps=2, weight_decay=0.01, timeout=60.0):
+def check_memory(cls, world_size=4, model="wide-mlp", steps=2, weight_decay=0.01, timeout=60.0):
     """Between steps each rank's optimizer holds m and v for its shard, 8 x ceil(Ψ/N) bytes (fp32),
     plus at most one more shard-sized buffer and a few scalars: not a full copy of anything."""
     __tracebackhide__ = True
@@ -442,20 +323,19 @@ def check_zero1_memory(cls, world_size=4, model="wide", steps=2, weight_decay=0.
 
 
 def _comm_case(rank, world_size, cls, name, steps, weight_decay):
-    with _NoZeroKitStage():
+    with refusing(*NO_ZEROKIT_STAGE):
         model = build_model(name)
-        psi = _psi(model)
+        psi = psi_of(model)
         initial = [p.detach().clone() for p in model.parameters()]
         opt = _make(cls, model, weight_decay)
         per_step = []
         for step in range(steps):
-            x, y = _batch(name, step, rank, world_size)
-            loss_for(MODELS[name][1], model(x), y).backward()
+            _backward(model, step, name, rank, world_size)
             with CommCounter() as comm:
                 opt.step()
             opt.zero_grad()
             per_step.append([(c.op, c.numel) for c in comm.calls])
-        _changed(model, initial)
+        assert_changed(model, initial)
     n = world_size
     for step, calls in enumerate(per_step):
         ops = {}
@@ -483,7 +363,7 @@ def _comm_case(rank, world_size, cls, name, steps, weight_decay):
     return psi, per_step[-1]
 
 
-def check_zero1_collectives(cls, world_size=2, model="mlp", steps=2, weight_decay=0.01, timeout=60.0):
+def check_traffic(cls, world_size=2, model="small-mlp", steps=2, weight_decay=0.01, timeout=60.0):
     """Each step: one reduce-scatter of the gradient (Ψ) and one all-gather of the parameters (Ψ),
     2Ψ like data parallel, and no all-reduce of the gradient."""
     __tracebackhide__ = True
@@ -493,3 +373,8 @@ def check_zero1_collectives(cls, world_size=2, model="mlp", steps=2, weight_deca
     volume = sum(numel * (2 if op == "all_reduce" else 1) for op, numel in calls)
     passed(f"per step on {world_size} ranks: {', '.join(f'{op} {numel}' for op, numel in calls)} elements = "
            f"{volume} ≈ 2Ψ (Ψ = {psi}), no all-reduce of the gradient")
+
+
+check_zero1_numerics = alias(check_numerics, "check_zero1_numerics")
+check_zero1_memory = alias(check_memory, "check_zero1_memory")
+check_zero1_collectives = alias(check_traffic, "check_zero1_collectives")

@@ -10,7 +10,7 @@ AdamW with 16-bit weights and gradients, fp32 master weights, m and v). One ques
                                   rank, and leaves every rank with the same scale
     check_scale_schedule(cls)     backoff by backoff_factor on an overflow, growth by growth_factor
                                   after growth_interval clean steps in a row, the count restarting
-    check_master_update(opt_cls)  the fp32 masters, m and v after every step against
+    check_numerics(opt_cls)       the fp32 masters, m and v after every step against
                                   torch.optim.AdamW in fp32 fed the same (unscaled, mean) gradient;
                                   the model's weights 16-bit and equal to the masters rounded
     check_overflow_step(opt_cls)  an inf in one rank's gradient at one step: nothing changes on any
@@ -30,20 +30,21 @@ import torch
 import torch.distributed as dist
 from torch.optim import AdamW as _TorchAdamW
 
+from .. import ddp as zerokit_ddp
+from .. import zero1 as zerokit_zero1
 from ..mixed_precision import LossScaler, _dtype
-from ..models import loss_for
-from ..reference import build_model, global_batch, rank_slice
+from ..models import build_model, model_loss
 from .compare import assert_close
 from .harness import CheckFailed, passed, run_on_ranks, torch_adam_allowed
+from .kit import alias, check_class, gather_object, rank_batch
 
 __all__ = ["ReferenceScaler", "check_unscale", "check_overflow_agreed", "check_scale_schedule",
-           "check_master_update", "check_overflow_step"]
+           "check_numerics", "check_overflow_step"]
 
 GLOBAL_BATCH = 12  # divisible by 2, 3 and 4
 # lr 1e-3: an update is a fraction of a unit in the last place of a bf16 weight (2**-9 in
 # [0.25, 0.5)), so applied to 16-bit weights it is lost or rounded to a whole unit
 HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
-KINDS = {"mlp": "mlp", "transformer": "transformer", "edge": "edge"}
 
 
 # ---------------------------------------------------------------------------------------
@@ -93,12 +94,6 @@ def _check_scaler_class(cls):
             raise CheckFailed(f"{cls.__name__} has no method {name}(): keep the scaffold's methods")
 
 
-def _gather(obj):
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
 def _unscale_case(rank, world_size, cls):
     g = torch.Generator().manual_seed(60 + rank)
     for scale, dtype in ((2.0**10, torch.float16), (2.0**16, torch.float16), (2.0**8, torch.bfloat16),
@@ -144,7 +139,7 @@ def _unscale_case(rank, world_size, cls):
         if verdict is None or not verdict:
             raise AssertionError(f"{call}: every gradient is finite, yet update() returned {verdict!r}; "
                                  "it must return True (step)")
-    _gather(True)  # a collective of the check's own: no rank returns while another is still starting up
+    gather_object(True)  # a collective of the check's own: no rank returns while another is still starting up
     return True
 
 
@@ -171,7 +166,7 @@ def _overflow_case(rank, world_size, cls, bad_rank):
         scaler.unscale(grads)
         step = scaler.update()
         verdicts.append((what, poison is not None, repr(step) if step is None else bool(step), float(scaler.scale)))
-    everyone = _gather(verdicts)
+    everyone = gather_object(verdicts)
     for k, (what, overflow, _, _) in enumerate(verdicts):
         steps = [v[k][2] for v in everyone]
         scales = [v[k][3] for v in everyone]
@@ -227,7 +222,7 @@ def _schedule_case(rank, world_size, cls, schedules):
             scaler.update()
             got.append(float(scaler.scale))
         out.append(got)
-    _gather(True)  # a collective of the check's own: no rank returns while another is still starting up
+    gather_object(True)  # a collective of the check's own: no rank returns while another is still starting up
     return out
 
 
@@ -288,17 +283,9 @@ def check_scale_schedule(cls, world_size=2, schedules=None, timeout=60.0):
 
 
 def _check_optimizer_class(cls):
-    from ..ddp import DistributedAdam
-    from ..zero1 import ZeRO1Adam
-
-    if not isinstance(cls, type):
-        raise CheckFailed(f"expected your optimizer class, got {type(cls).__name__}")
-    for forbidden in (DistributedAdam, ZeRO1Adam):
-        if issubclass(cls, forbidden):
-            raise CheckFailed(f"{cls.__name__} subclasses zerokit.{forbidden.__name__}: the exercise is to write "
-                              "the master-weight update yourself (keep the scaffold's base class)")
-    if not issubclass(cls, torch.optim.Optimizer):
-        raise CheckFailed(f"{cls.__name__} is not a torch.optim.Optimizer: keep the scaffold's base class")
+    check_class(cls, "your optimizer class",
+                refuse=[(c, "the exercise is to write the master-weight update yourself (keep the scaffold's base "
+                         "class)") for c in (zerokit_ddp.DistributedAdam, zerokit_zero1.ZeRO1Adam)])
 
 
 def _state(opt, attr, i, name):
@@ -322,7 +309,6 @@ def _state(opt, attr, i, name):
 def _train_case(rank, world_size, cls, name, dtype, steps, inject_at):
     dtype = _dtype(dtype)
     compare = inject_at is None  # numerics; otherwise the skipped step alone
-    kind = KINDS[name]
     model = build_model(name)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     params = [p for _, p in named]
@@ -341,11 +327,10 @@ def _train_case(rank, world_size, cls, name, dtype, steps, inject_at):
                                  f"{dtype}: make every parameter 16-bit (p.data = p.data.to(dtype)) after taking "
                                  "its fp32 master copy")
     for step in range(steps):
-        x, y = global_batch(kind, step, GLOBAL_BATCH)
-        x, y = rank_slice(x, rank, world_size), rank_slice(y, rank, world_size)
+        x, y = rank_batch(name, step, GLOBAL_BATCH, rank, world_size)
         if x.is_floating_point():
             x = x.to(params[0].dtype)
-        loss = loss_for(kind, model(x).float(), y)
+        loss = model_loss(name, model(x).float(), y)
         opt.scale_loss(loss).backward()
         poisoned = step == inject_at and rank == world_size - 1
         if poisoned:
@@ -425,7 +410,7 @@ def _held_state(opt):
     return out
 
 
-def check_master_update(cls, world_size=2, model="mlp", dtype="bf16", steps=4, timeout=60.0):
+def check_numerics(cls, world_size=2, model="mlp", dtype="bf16", steps=4, timeout=60.0):
     """On world_size ranks: fp32 masters, m and v after every step match torch.optim.AdamW in fp32 fed the same
     mean, unscaled gradient; the model's weights are the masters rounded to 16 bits."""
     __tracebackhide__ = True
@@ -446,3 +431,6 @@ def check_overflow_step(cls, world_size=2, model="mlp", dtype="fp16", steps=4, i
     passed(f"{cls.__name__} on {world_size} ranks ({model}, Ψ = {psi}, {dtype}): an inf on rank {world_size - 1} "
            f"at step {inject_at + 1} skipped that step everywhere and halved the scale; the other {steps - 1} steps "
            "updated")
+
+
+check_master_update = alias(check_numerics, "check_master_update")

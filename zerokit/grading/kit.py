@@ -1,0 +1,293 @@
+"""The check kit: the pieces every lesson's checks share, written once.
+
+- the class guard: `check_class` (in the notebook's process, before any rank starts) says
+  why a class cannot be graded as the exercise: not a class, zerokit's own under another
+  name, not built on the scaffold's base, or borrowing zerokit's methods;
+- `refusing(...)`: inside a check, zerokit's own answer to the exercise raises instead of
+  working, so a student's code cannot hand the work to it;
+- the reference: `adamw_reference` runs torch.optim.AdamW (foreach=False) in a one-rank
+  launch of its own and caches what it recorded after each step (the ranks that run the
+  student's code have torch's Adam disabled, and the notebook's process may have rebound it);
+- data: `rank_batch` cuts this rank's slice out of the global batch of a step;
+- small readers every check needs: `trainable`, `snapshot`, `gather_object`, `bucket_label`,
+  `state_shard`, `assert_changed`.
+
+Models come from the zoo in zerokit.models (`build_model`, `model_batch`, `model_loss`).
+"""
+
+import contextlib
+import gc
+import inspect
+import sys
+
+import torch
+import torch.distributed as dist
+
+from ..models import build_model, model_batch
+from ..reference import rank_slice
+from .harness import CheckFailed, run_on_ranks
+
+__all__ = ["check_class", "refusing", "adamw_reference", "global_batch", "rank_batch", "trainable", "psi_of",
+           "snapshot", "gather_object", "bucket_label", "state_shard", "assert_changed", "optimizer_held_bytes", "alias"]
+
+
+# ---------------------------------------------------------------------------------------
+# the class guard (in the notebook's process: CheckFailed, no harness turns AssertionError into one)
+
+
+def _code(fn):
+    # unwrap: every @torch.no_grad() method shares the decorator's own code object
+    return getattr(inspect.unwrap(fn), "__code__", None)
+
+
+def check_class(cls, expected, *, refuse=(), base=torch.optim.Optimizer,
+                base_hint="keep the scaffold's base class", methods=(), written_in=()):
+    """Raise CheckFailed unless `cls` can be graded as the student's class.
+
+    expected:   how to name what was expected ("your optimizer class (MyZeRO2Adam)").
+    refuse:     (zerokit class, why) pairs: subclassing one of these is not doing the exercise.
+    base:       the scaffold's base class(es), a class or a tuple.
+    methods:    the methods the student writes: each must exist and be their own, not one of
+                the classes in `written_in` (zerokit's reference) under the same name.
+    """
+    if not isinstance(cls, type):
+        raise CheckFailed(f"expected {expected}, got {type(cls).__name__}")
+    for forbidden, why in refuse:
+        if issubclass(cls, forbidden):
+            raise CheckFailed(f"{cls.__name__} subclasses {_display(forbidden)}: {why}")
+    if not issubclass(cls, base):
+        bases = base if isinstance(base, tuple) else (base,)
+        names = " or ".join(_display(b) for b in bases)
+        raise CheckFailed(f"{cls.__name__} is not a {names}: {base_hint}")
+    for name in methods:
+        mine = getattr(cls, name, None)
+        if mine is None:
+            raise CheckFailed(f"{cls.__name__} has no method {name}: keep the scaffold's method names")
+        for ref_cls in written_in:
+            theirs = ref_cls.__dict__.get(name)
+            if theirs is not None and (mine is theirs or _code(mine) is _code(theirs)):
+                raise CheckFailed(f"{cls.__name__}.{name} is {_display(ref_cls)}.{name}: write it yourself")
+
+
+def _display(cls):
+    if cls.__module__.startswith("zerokit."):
+        public = getattr(sys.modules["zerokit"], cls.__name__, None)
+        return f"zerokit.{cls.__name__}" if public is cls else f"{cls.__module__}.{cls.__name__}"
+    if cls.__module__.startswith("torch."):
+        return {torch.optim.Optimizer: "torch.optim.Optimizer"}.get(cls, f"torch.optim.{cls.__name__}")
+    return cls.__name__
+
+
+# ---------------------------------------------------------------------------------------
+# zerokit's own answer refuses to work inside a check
+
+_REFUSALS = {}  # code name -> message, read by _refused_code
+
+
+def _refused_code(*args, **kwargs):
+    # Its __code__ (renamed per target) replaces a zerokit function's, so it runs with *that*
+    # function's globals: it finds its message through an absolute import, not a name of ours.
+    import sys as _sys
+
+    from zerokit.grading import kit as _kit
+
+    raise AssertionError(_kit._REFUSALS[_sys._getframe().f_code.co_name])
+
+
+@contextlib.contextmanager
+def refusing(*targets, everywhere=False):
+    """Inside the block each (owner, attribute, message) raises AssertionError(message) when called.
+
+    The attribute is replaced on its owner, so what the check itself took earlier (a
+    reference version it hands the student's class) keeps working. everywhere=True swaps a
+    plain function's code instead, so a reference the student's code already holds (`from
+    zerokit.adam import adamw_update_`) is caught too.
+    """
+    saved = []
+    try:
+        for owner, name, message in targets:
+            value = getattr(owner, name)
+            fn = getattr(value, "__wrapped__", value)
+            if everywhere and inspect.isfunction(fn) and not fn.__code__.co_freevars:
+                key = next((k for k, m in _REFUSALS.items() if m == message), f"_refused_{len(_REFUSALS)}")
+                _REFUSALS[key] = message
+                saved.append((fn, "__code__", fn.__code__))
+                fn.__code__ = _refused_code.__code__.replace(co_name=key, co_qualname=key)
+            else:
+                def refuse(*_a, _message=message, **_k):
+                    raise AssertionError(_message)
+
+                saved.append((owner, name, value))
+                setattr(owner, name, refuse)
+        yield
+    finally:
+        for obj, name, value in reversed(saved):
+            setattr(obj, name, value)
+
+
+# ---------------------------------------------------------------------------------------
+# data
+
+
+def global_batch(model, step, size, stream=0):
+    """The global batch of `step`: every rank and the reference see the same one."""
+    return model_batch(model, size, stream + step)
+
+
+def rank_batch(model, step, size, rank, world_size, stream=0):
+    """This rank's equal slice of the global batch of `step`."""
+    x, y = global_batch(model, step, size, stream)
+    return rank_slice(x, rank, world_size), rank_slice(y, rank, world_size)
+
+
+# ---------------------------------------------------------------------------------------
+# the reference: torch.optim.AdamW on one process, in a launch of its own
+
+_REFERENCES = {}
+
+
+def _reference_case(_rank, _world_size, model, steps, hyper, backward, args, seed, optimizer):
+    net = build_model(model, seed)
+    named = [(n, p) for n, p in net.named_parameters() if p.requires_grad]
+    make = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam}[optimizer]
+    opt = make([p for _, p in named], foreach=False, **hyper)
+    out = []
+    for step in range(steps):
+        backward(net, step, *args)
+        record = {"grads": {n: None if p.grad is None else p.grad.clone() for n, p in named}}
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        record["params"] = snapshot(net)
+        state = {n: opt.state[p] for n, p in named if opt.state.get(p)}
+        for key in ("exp_avg", "exp_avg_sq"):
+            record[key] = {n: s[key].clone() for n, s in state.items()}
+        record["step"] = {n: int(s["step"]) for n, s in state.items()}
+        out.append(record)
+    return out
+
+
+def adamw_reference(model, steps, hyper, backward, args=(), *, seed=0, optimizer="adamw", timeout=60.0):
+    """What one process running torch.optim.AdamW records after each of `steps` steps.
+
+    `backward(net, step, *args)` computes the gradients of a step on the model (built from the
+    zoo with `seed`): the mean loss over every rank's data, as the ranks will see it between
+    them. Each record holds "grads" (before the step; None where a parameter got none),
+    "params" (after it), and Adam's "exp_avg", "exp_avg_sq" and "step" per parameter name.
+    optimizer="adam": torch.optim.Adam (L2 weight decay), to recognise that mistake.
+    Cached per configuration: a lesson's visible and hidden checks share the runs they can.
+    """
+    key = (model, steps, tuple(sorted(hyper.items())), backward.__module__, backward.__qualname__, args, seed,
+           optimizer)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = run_on_ranks(_reference_case, 1, args=(model, steps, hyper, backward, args, seed, optimizer),
+                                        timeout=timeout, forbid_adam=False,
+                                        what="the reference (torch.optim.AdamW)")[0]
+    return _REFERENCES[key]
+
+
+# ---------------------------------------------------------------------------------------
+# small readers
+
+
+def trainable(model):
+    """(name, parameter) of every parameter that trains."""
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
+def psi_of(model):
+    """Ψ: the number of trainable parameter elements."""
+    return sum(p.numel() for _, p in trainable(model))
+
+
+def snapshot(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def gather_object(obj):
+    """Every rank's `obj`, by rank (also a collective of the check's own: no rank leaves early)."""
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def bucket_label(bi, bucket, name_of):
+    """'bucket 2 (layers.1.weight, layers.1.bias)': a bucket as a student can find it."""
+    names = [name_of[p] for p in bucket.params]
+    return f"bucket {bi} ({', '.join(names[:3]) + (', ...' if len(names) > 3 else '')})"
+
+
+def state_shard(bucket, per_name, name_of):
+    """This rank's shard of a {parameter name: tensor} record (zeros where a parameter has none)."""
+    return bucket.shard_of([per_name.get(name_of[p]) for p in bucket.params])
+
+
+def assert_changed(model, initial):
+    """The steps did something: parameters moved and stayed finite (a no-op scores nothing)."""
+    now = [p.detach() for p in model.parameters()]
+    if not all(bool(torch.isfinite(p).all()) for p in now):
+        raise AssertionError("after your steps some parameters are NaN or inf")
+    if all(torch.equal(a, b) for a, b in zip(now, initial)):
+        raise AssertionError("your step() left every parameter unchanged")
+
+
+# ---------------------------------------------------------------------------------------
+# what an optimizer keeps alive, however it stores it
+
+
+def _live_tensors():
+    """Every tensor Python can reach in this process, one per storage (the largest view)."""
+    out = {}
+    for obj in gc.get_objects():
+        if issubclass(type(obj), torch.Tensor) and not obj.is_meta:
+            try:
+                s = obj.untyped_storage()
+            except (RuntimeError, NotImplementedError):
+                continue
+            if s.nbytes():
+                key = (s.device.type, s.data_ptr())
+                if key not in out or out[key][0] < s.nbytes():
+                    # the storage object too: a parameter whose .data is replaced would otherwise free
+                    # its old memory, and a new tensor there would pass for one that existed before
+                    out[key] = (s.nbytes(), obj, s)
+    return out
+
+
+def optimizer_held_bytes(model, run_steps):
+    """Bytes of tensor storage that appear while `run_steps(model)` runs and are neither the model's
+    parameters nor its gradients: what an optimizer built and stepped inside it keeps alive.
+
+    Returns (bytes, [(nbytes, numel of the largest tensor on that storage)], largest first).
+    Tensors alive before are held meanwhile, so new ones cannot reuse their memory and hide.
+    """
+    gc.collect()
+    before = _live_tensors()
+    keep = run_steps(model)
+    gc.collect()
+    after = _live_tensors()
+    exclude = set(before)
+    for p in model.parameters():
+        exclude.add((p.device.type, p.untyped_storage().data_ptr()))
+        if p.grad is not None:
+            exclude.add((p.grad.device.type, p.grad.untyped_storage().data_ptr()))
+    held = sorted(((nbytes, t.numel()) for k, (nbytes, t, _) in after.items() if k not in exclude), reverse=True)
+    del keep, before, after
+    return sum(n for n, _ in held), held
+
+
+# ---------------------------------------------------------------------------------------
+# old names of checks, kept for a term
+
+
+def alias(check, old_name, **renamed):
+    """`check` under the name a notebook released before the rename calls, with old keyword
+    names (renamed: old -> new, e.g. kind="model") translated."""
+    def old(*args, **kwargs):
+        __tracebackhide__ = True
+        for was, now in renamed.items():
+            if was in kwargs:
+                kwargs[now] = kwargs.pop(was)
+        return check(*args, **kwargs)
+
+    old.__name__ = old.__qualname__ = old_name
+    old.__doc__ = f"The old name of {check.__name__} (kept for notebooks released before the rename)."
+    return old
