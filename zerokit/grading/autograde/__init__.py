@@ -65,8 +65,8 @@ from nbgrader.preprocessors import ClearHiddenTests, Execute, GetGrades, Overwri
 from traitlets import Bool, Float, Integer, Unicode
 from traitlets.config.loader import PyFileConfigLoader
 
-from .harness import TIMEOUT_ENV
-from .lessons import ROOT, SOLUTIONS, lesson_ids, nbgrader_env
+from ..harness import TIMEOUT_ENV
+from ..lessons import ROOT, SOLUTIONS, lesson_ids, nbgrader_env
 
 __all__ = ["grade", "find_submissions", "write_grades_csv", "failure_reason", "GradingExecute", "RestoreCells",
            "main"]
@@ -730,7 +730,3 @@ def main(argv=None):
           memory_limit_gb=args.memory_limit_gb, echo=lambda line: print(line, flush=True))
     # a submission that could not be graded is a result (0 points and its reason), not a failure
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
