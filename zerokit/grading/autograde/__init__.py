@@ -52,221 +52,25 @@ import traceback
 import uuid
 from pathlib import Path
 
-import nbformat
 import psutil
-from nbclient.exceptions import CellTimeoutError, DeadKernelError
-from nbformat.v4 import new_output
-from nbgrader import utils
 from nbgrader.api import Gradebook, MissingEntry
 from nbgrader.converters import Autograde, GenerateAssignment, GenerateFeedback
 from nbgrader.coursedir import CourseDirectory
 from nbconvert.preprocessors import CSSHTMLHeaderPreprocessor
 from nbgrader.preprocessors import ClearHiddenTests, Execute, GetGrades, OverwriteCells
-from traitlets import Bool, Float, Integer, Unicode
 from traitlets.config.loader import PyFileConfigLoader
 
 from ..harness import TIMEOUT_ENV
 from ..lessons import ROOT, SOLUTIONS, lesson_ids, nbgrader_env
+from .execute import GradingExecute
+from .reasons import failure_reason, reasons_from_notebook
+from .restore import RestoreCells
 
 __all__ = ["grade", "find_submissions", "write_grades_csv", "failure_reason", "GradingExecute", "RestoreCells",
            "main"]
 
 TAG = "ZEROKIT_GRADING_TAG"  # environment variable every process of a grading run inherits
 LOGS = ".logs"  # under the autograded folder: nbgrader's log of each student/lesson
-
-
-# ---------------------------------------------------------------------------------------
-# inside nbgrader: the two preprocessors
-
-
-def _error_output(ename, evalue):
-    return new_output("error", ename=ename, evalue=evalue, traceback=[f"{ename}: {evalue}"])
-
-
-def _first_line(text):
-    return next((line.strip() for line in str(text).splitlines() if line.strip()), "")
-
-
-# Our own error names: they say why a cell did not run properly, so they come first.
-_OWN_ERRORS = ("KernelDied", "CellTimeout", "NotRun")
-
-
-def failure_reason(outputs):
-    """One line saying why a test cell failed, or None if its outputs show no failure."""
-    errors = [o for o in outputs if o.get("output_type") == "error"]
-    if errors:
-        err = ([o for o in errors if o.get("ename") in _OWN_ERRORS] or errors)[0]
-        ename, line = err.get("ename", "Error"), _first_line(err.get("evalue", ""))
-        if ename in ("CheckFailed", "AssertionError") + _OWN_ERRORS:
-            return line or ename
-        if ename == "NameError":
-            return (f"NameError: {line} (the test needs it: check the name, and that the cell "
-                    "defining it ran without an error)")
-        return f"{ename}: {line}" if line else ename
-    stderr = "".join(o.get("text", "") for o in outputs if o.get("output_type") == "stream"
-                     and o.get("name") == "stderr")
-    if stderr:
-        return f"the cell wrote to stderr, which nbgrader counts as a failure: {_first_line(stderr)}"
-    return None
-
-
-def _note(text, kind):
-    colour = {"fail": "#b00020", "note": "#555"}[kind]
-    return new_output(
-        "display_data",
-        data={"text/plain": text,
-              "text/html": f'<div style="color:{colour};font-weight:bold">{html.escape(text)}</div>'},
-        metadata={"zerokit_grading": {"kind": kind, "text": text}},
-    )
-
-
-class GradingExecute(Execute):
-    """nbgrader's Execute with per-cell timeouts, a memory watchdog and one-line reasons."""
-
-    cell_timeout = Integer(
-        60, help="Seconds a cell that is not a test cell may run before the kernel is interrupted."
-    ).tag(config=True)
-    memory_limit_gb = Float(4.0, help="The kernel is killed beyond this resident memory (GiB).").tag(config=True)
-    child_memory_limit_gb = Float(
-        8.0, help="A process the kernel started is killed beyond this resident memory (GiB); above the "
-                  "4 GiB per rank of zerokit's checks, so that a check reports first."
-    ).tag(config=True)
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.timeout_func = self._timeout_for
-
-    def _timeout_for(self, cell):
-        return self.timeout if utils.is_grade(cell) and utils.is_locked(cell) else self.cell_timeout
-
-    def preprocess(self, nb, resources=None, km=None):
-        self._dead = None  # why the remaining cells cannot run
-        self._memory_kill = None
-        self._watch_stop = threading.Event()
-        self._watcher = None
-        try:
-            return super().preprocess(nb, resources, km)
-        finally:
-            self._watch_stop.set()
-
-    def _kernel_pid(self):
-        return getattr(getattr(self.km, "provisioner", None), "pid", None)
-
-    def _watch(self, pid):
-        """Kill the kernel, or a process it started, that outgrows its memory limit."""
-        try:
-            kernel = psutil.Process(pid)
-        except psutil.Error:
-            return
-        while not self._watch_stop.wait(0.1):
-            try:
-                procs = [kernel] + kernel.children(recursive=True)
-            except psutil.Error:
-                return  # the kernel is gone
-            for p in procs:
-                limit = self.memory_limit_gb if p.pid == pid else self.child_memory_limit_gb
-                try:
-                    rss = p.memory_info().rss
-                    if rss > limit * 2**30:
-                        p.kill()
-                        if p.pid == pid:
-                            self._memory_kill = (f"the kernel (the Python process running your notebook) used "
-                                                 f"{rss / 2**30:.1f} GiB of memory, over the {limit:g} GiB limit, "
-                                                 "and was stopped")
-                except psutil.Error:
-                    continue
-
-    def preprocess_cell(self, cell, resources, index):
-        if cell.cell_type != "code" or not cell.source.strip():
-            return cell, resources
-        if self._dead:
-            cell.outputs = [_error_output("NotRun", f"not run: {self._dead}")]
-            return self._annotate(cell), resources
-        if self._watcher is None and self._kernel_pid():
-            self._watcher = threading.Thread(target=self._watch, args=(self._kernel_pid(),), daemon=True)
-            self._watcher.start()
-        limit = self._timeout_for(cell)
-        # nbclient interrupts the kernel on a timeout and records this as the cell's error
-        self.error_on_timeout = {
-            "ename": "CellTimeout",
-            "evalue": f"this cell did not finish within {limit} s and was interrupted (an endless loop?)",
-            "traceback": [f"CellTimeout: this cell did not finish within {limit} s and was interrupted"],
-        }
-        try:
-            cell, resources = super().preprocess_cell(cell, resources, index)
-        except DeadKernelError:
-            why = self._memory_kill or ("the kernel (the Python process running your notebook) died while "
-                                        "running this cell: os._exit(), exit(), a crash, or out of memory")
-            cell.outputs.append(_error_output("KernelDied", why))
-            self._dead = f"the kernel died in an earlier cell: {why}"
-        except CellTimeoutError:  # the interrupt did not stop it: nothing more can run here
-            pid = self._kernel_pid()
-            if pid:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            cell.outputs.append(_error_output(
-                "CellTimeout", f"this cell did not finish within {limit} s and did not stop when interrupted"))
-            self._dead = "an earlier cell never finished"
-        return self._annotate(cell), resources
-
-    def _annotate(self, cell):
-        """Put the one-line reason (and a note on a restored test cell) first in a grade cell's output."""
-        if not utils.is_grade(cell):
-            return cell
-        notes = []
-        restored = cell.metadata.get("zerokit_grading", {}).get("restored")
-        if restored:
-            notes.append(_note(f"note: this test cell was {restored} in your notebook; it was put back and "
-                               "graded as originally written", "note"))
-        reason = failure_reason(cell.outputs)
-        if reason:
-            notes.append(_note(f"✗ 0 of {cell.metadata['nbgrader'].get('points', 0):g} points: {reason}", "fail"))
-        for o in cell.outputs:
-            if o.get("output_type") == "error":
-                # the message says it all; IPython's traceback would quote the hidden tests' code
-                o["traceback"] = [f"{o.get('ename', 'Error')}: {o.get('evalue', '')}"]
-        cell.outputs = notes + list(cell.outputs)
-        return cell
-
-
-class RestoreCells(OverwriteCells):
-    """nbgrader's OverwriteCells, also restoring deleted test cells, and marking what it restored.
-
-    nbgrader puts every locked cell back from the gradebook (that is also how a test cell's
-    hidden tests come back), so its own change reports cannot tell an edited cell from an
-    untouched one; the student version in the scratch release folder can.
-    """
-
-    add_missing_cells = Bool(True, help="Put deleted test cells back (nbgrader's default: score them 0).").tag(
-        config=True)
-    release_directory = Unicode(help="Where generate_assignment wrote the student version.").tag(config=True)
-
-    def preprocess(self, nb, resources):
-        info = resources["nbgrader"]
-        path = Path(self.release_directory) / info["assignment"] / f"{info['notebook']}.ipynb"
-        self._released = {}
-        for cell in nbformat.read(str(path), as_version=4).cells:
-            meta = cell.metadata.get("nbgrader", {})
-            if meta.get("locked") and meta.get("grade_id"):
-                self._released[meta["grade_id"]] = utils.compute_checksum(cell)
-        return super().preprocess(nb, resources)
-
-    def preprocess_cell(self, cell, resources, index):
-        grade_id = cell.metadata.get("nbgrader", {}).get("grade_id")
-        edited = grade_id in self._released and utils.compute_checksum(cell) != self._released[grade_id]
-        cell, resources = super().preprocess_cell(cell, resources, index)
-        if edited and cell.metadata.get("nbgrader", {}).get("grade_id") == grade_id:
-            cell.metadata["zerokit_grading"] = {"restored": "edited"}
-        return cell, resources
-
-    def missing_cell_transform(self, source_cell, max_score, is_solution=False, is_task=False):
-        cell = super().missing_cell_transform(source_cell, max_score, is_solution, is_task)
-        if cell.cell_type == "code":
-            cell.source = source_cell.source  # nbgrader comments out only its notice's first line
-        cell.metadata["zerokit_grading"] = {"restored": "deleted"}
-        return cell
 
 
 # ---------------------------------------------------------------------------------------
@@ -572,7 +376,7 @@ def _finish(cfg, job, error, strays):
     reasons = {}
     if error is None:
         autograded = Path(cfg.CourseDirectory.autograded_directory) / job.student / job.lesson / f"{job.lesson}.ipynb"
-        reasons = _reasons_from_notebook(autograded)
+        reasons = reasons_from_notebook(autograded)
         if not result.get("feedback"):
             reasons["(feedback)"] = f"the feedback HTML could not be generated: see {job.log_path}"
     with Gradebook(cfg.CourseDirectory.db_url, cfg.CourseDirectory.course_id) as gb:
@@ -617,20 +421,6 @@ def _fallback_feedback(cfg, student, lesson, error):
         f"<p style='color:#b00020;font-weight:bold'>{html.escape(error)}</p>\n"
         "<p>Nothing in this notebook could be graded. Check that the file opens in JupyterLab "
         "and runs from top to bottom, then submit it again.</p>\n</body></html>\n")
-
-
-def _reasons_from_notebook(path):
-    """{grade_id: one-line reason} for the failed test cells of an autograded notebook."""
-    reasons = {}
-    for cell in nbformat.read(str(path), as_version=4).cells:
-        meta = cell.metadata.get("nbgrader", {})
-        if cell.cell_type != "code" or not meta.get("grade"):
-            continue
-        for o in cell.get("outputs", []):
-            info = o.get("metadata", {}).get("zerokit_grading")
-            if info and info.get("kind") == "fail":
-                reasons[meta["grade_id"]] = info["text"].split(" points: ", 1)[-1]
-    return reasons
 
 
 def _report(echo, done, total, job, r):
