@@ -41,249 +41,34 @@ import argparse
 import csv
 import html
 import json
-import logging
 import os
 import re
 import signal
 import sys
-import threading
 import time
-import traceback
 import uuid
 from pathlib import Path
 
-import psutil
 from nbgrader.api import Gradebook, MissingEntry
-from nbgrader.converters import Autograde, GenerateAssignment, GenerateFeedback
-from nbgrader.coursedir import CourseDirectory
-from nbconvert.preprocessors import CSSHTMLHeaderPreprocessor
-from nbgrader.preprocessors import ClearHiddenTests, Execute, GetGrades, OverwriteCells
-from traitlets.config.loader import PyFileConfigLoader
+from nbgrader.converters import GenerateAssignment
 
-from ..harness import TIMEOUT_ENV
 from ..lessons import ROOT, SOLUTIONS, lesson_ids, nbgrader_env
+from .course import course_config, run_app
 from .execute import GradingExecute
+from .job import Job
+from .processes import TAG, kill_tagged, tagged_processes  # TAG and tagged_processes: part of the API
 from .reasons import failure_reason, reasons_from_notebook
 from .restore import RestoreCells
+from .submissions import find_submissions
 
 __all__ = ["grade", "find_submissions", "write_grades_csv", "failure_reason", "GradingExecute", "RestoreCells",
            "main"]
 
-TAG = "ZEROKIT_GRADING_TAG"  # environment variable every process of a grading run inherits
 LOGS = ".logs"  # under the autograded folder: nbgrader's log of each student/lesson
 
 
 # ---------------------------------------------------------------------------------------
-# nbgrader configuration and apps
-
-
-def course_config(course_dir, submissions, out, options):
-    """The repository's nbgrader_config.py, pointed at this course folder, with our preprocessors."""
-    cfg = PyFileConfigLoader("nbgrader_config.py", path=str(ROOT)).load_config()
-    course_dir = Path(course_dir).resolve()
-    cd = cfg.CourseDirectory
-    cd.root = str(course_dir)
-    cd.source_directory = str(SOLUTIONS)
-    cd.release_directory = str(course_dir / "release")
-    cd.submitted_directory = str(Path(submissions).resolve())
-    cd.autograded_directory = str(course_dir / "autograded")
-    cd.feedback_directory = str(Path(out).resolve() / "feedback")
-    # several graders write to one SQLite file: wait for its lock instead of failing
-    cd.db_url = f"sqlite:///{course_dir / 'gradebook.db'}?timeout=120"
-
-    traits = Autograde.class_traits()
-    cfg.Autograde.sanitize_preprocessors = [
-        RestoreCells if p is OverwriteCells else p for p in traits["sanitize_preprocessors"].default()]
-    cfg.Autograde.autograde_preprocessors = [
-        GradingExecute if p is Execute else p for p in traits["autograde_preprocessors"].default()]
-    if options.get("cell_timeout") is not None:
-        cfg.GradingExecute.cell_timeout = int(options["cell_timeout"])
-    if options.get("test_timeout") is not None:
-        cfg.GradingExecute.timeout = int(options["test_timeout"])
-    if options.get("memory_limit_gb") is not None:
-        cfg.GradingExecute.memory_limit_gb = float(options["memory_limit_gb"])
-    cfg.RestoreCells.release_directory = cd.release_directory
-    cfg.HTMLExporter.template_name = "feedback"
-    # the feedback shows each test's outcome and reason, not the hidden tests' code
-    cfg.GenerateFeedback.preprocessors = [GetGrades, ClearHiddenTests, CSSHTMLHeaderPreprocessor]
-    cfg.ClearHiddenTests.enforce_metadata = False  # a student's cell quoting the markers must not stop it
-    return cfg
-
-
-def _run(app_class, cfg, lesson, student="*", **flags):
-    """Run an nbgrader app for one lesson (and student); (ok, its log)."""
-    coursedir = CourseDirectory(config=cfg)
-    coursedir.assignment_id, coursedir.student_id = lesson, student
-    app = app_class(coursedir=coursedir, config=cfg)
-    for name, value in flags.items():
-        setattr(app, name, value)
-    lines = []
-    handler = logging.Handler()
-    handler.emit = lambda record: lines.append(f"[{record.levelname}] {record.getMessage()}")
-    app.log.addHandler(handler)
-    try:
-        app.start()
-        ok = True
-    except Exception:  # nbgrader raises NbGraderException after logging each failure
-        lines.append(traceback.format_exc())
-        ok = False
-    finally:
-        app.log.removeHandler(handler)
-    return ok, "\n".join(lines)
-
-
-def _grade_one(spec):
-    """In the forked grader: autograde one notebook, then its feedback; write the outcome as JSON."""
-    cfg = course_config(spec["course_dir"], spec["submissions"], spec["out"], spec["options"])
-    result = {"feedback": False}
-    result["autograde"], log = _run(Autograde, cfg, spec["lesson"], spec["student"], force=True,
-                                    create_student=True)
-    print(log, flush=True)
-    if result["autograde"]:
-        result["feedback"], log = _run(GenerateFeedback, cfg, spec["lesson"], spec["student"], force=True)
-        print(log, flush=True)
-    Path(spec["result"]).write_text(json.dumps(result))
-
-
-# ---------------------------------------------------------------------------------------
 # the driver
-
-
-def find_submissions(submissions, lessons=None, students=None, echo=print):
-    """[(student, lesson)] for every SUBMISSIONS/<student>/<lesson>/<lesson>.ipynb of a known lesson.
-
-    Anything else is skipped with one line saying why (through `echo`): a misnamed lesson
-    folder or notebook, or SUBMISSIONS one level off, would otherwise go ungraded unnoticed.
-    Folders left out on purpose (--lesson, --student) and hidden ones are skipped quietly.
-    """
-    known = lesson_ids()
-    unknown = set(lessons or ()) - set(known)
-    if unknown:
-        raise SystemExit(f"no such lesson in solutions/: {', '.join(sorted(unknown))}")
-    wanted = set(lessons or known)
-    found = []
-    for sdir in sorted(Path(submissions).iterdir()):
-        if sdir.name.startswith(".") or (students and sdir.name not in students):
-            continue
-        if not sdir.is_dir():
-            echo(f"skipped {sdir}: not a student folder (expected <student>/<lesson>/<lesson>.ipynb)")
-            continue
-        for ldir in sorted(sdir.iterdir()):
-            if ldir.name.startswith(".") or (ldir.name in known and ldir.name not in wanted):
-                continue
-            if not ldir.is_dir() or ldir.name not in known:
-                # a lesson one level up or down means SUBMISSIONS itself is one level off
-                off = ""
-                if sdir.name in known:
-                    off = " (SUBMISSIONS is one level too deep: give the folder holding the students)"
-                elif ldir.is_dir() and any((ldir / lesson).is_dir() for lesson in known):
-                    off = " (SUBMISSIONS is one level too high?)"
-                echo(f"skipped {ldir}: {ldir.name} is not a lesson; lessons are {', '.join(known)}{off}")
-            elif not (ldir / f"{ldir.name}.ipynb").is_file():
-                others = sorted(p.name for p in ldir.glob("*.ipynb"))
-                echo(f"skipped {ldir}: no {ldir.name}.ipynb in it"
-                     + (f" (found {', '.join(others)}: rename it)" if others else ""))
-            else:
-                found.append((sdir.name, ldir.name))
-    return found
-
-
-def tagged_processes(prefix):
-    """Live processes whose environment carries a grading tag starting with `prefix`."""
-    found = []
-    for p in psutil.process_iter():
-        try:
-            tag = p.environ().get(TAG)
-            if tag is not None and tag.startswith(prefix) and p.pid != os.getpid() \
-                    and p.status() != psutil.STATUS_ZOMBIE:
-                found.append(p)
-        except psutil.Error:
-            continue
-    return found
-
-
-def kill_tagged(prefix, grace=3.0):
-    """Kill every process tagged `prefix*` still alive after `grace` s; describe each one killed.
-
-    The grace lets a fork server whose kernel just shut down see EOF and exit by itself.
-    """
-    killed = []
-    psutil.wait_procs(tagged_processes(prefix), timeout=grace)
-    for _ in range(5):  # a dying parent may fork once more: sweep until nothing is left
-        procs = tagged_processes(prefix)
-        if not procs:
-            break
-        for p in procs:
-            try:
-                killed.append(f"{p.pid} {' '.join(p.cmdline()[:4])}")
-                p.kill()
-            except psutil.Error:
-                pass
-        psutil.wait_procs(procs, timeout=5)
-    return killed
-
-
-def _exit_with_parent(parent):
-    """A grader whose driver is gone exits; its kernel (ipykernel watches its parent), the
-    fork server (EOF) and the ranks (they watch the kernel) follow."""
-    while os.getppid() == parent:
-        time.sleep(1.0)
-    os._exit(1)
-
-
-class _Job:
-    """One (student, lesson), graded in a forked child that leads a process group of its own."""
-
-    def __init__(self, student, lesson, spec, log_path, tag):
-        self.student, self.lesson, self.spec, self.log_path, self.tag = student, lesson, spec, log_path, tag
-        self.pid = self.status = self.started = None
-
-    def start(self, check_timeout):
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        Path(self.spec["result"]).unlink(missing_ok=True)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        self.started = time.monotonic()
-        self.pid = os.fork()
-        if self.pid:
-            return
-        code = 1
-        try:  # the child: never returns into the caller's code
-            os.setsid()
-            threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
-            fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            os.dup2(fd, 1)
-            os.dup2(fd, 2)
-            # the caller's sys.stdout may be a capture object (pytest's): write to the log itself
-            sys.stdout = open(1, "w", buffering=1, closefd=False)
-            sys.stderr = open(2, "w", buffering=1, closefd=False)
-            os.environ[TAG] = self.tag  # the kernel and everything it starts inherit it
-            if check_timeout is not None:
-                os.environ[TIMEOUT_ENV] = str(check_timeout)
-            _grade_one(self.spec)
-            code = 0
-        except BaseException:
-            traceback.print_exc()
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-
-    def running(self):
-        if self.status is None:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
-            if pid:
-                self.status = status
-        return self.status is None
-
-    def kill(self):
-        """Stop a grader still running (only then: a reaped child's group id may be reused)."""
-        if self.running():
-            try:
-                os.killpg(self.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.status = os.waitpid(self.pid, 0)[1]
 
 
 def default_jobs():
@@ -316,7 +101,7 @@ def grade(submissions, lessons=None, students=None, course_dir=ROOT, out=None, j
     course_dir.mkdir(parents=True, exist_ok=True)
     cfg = course_config(course_dir, submissions, out, options)
     for lesson in graded_lessons:
-        ok, log = _run(GenerateAssignment, cfg, lesson, force=True, create_assignment=True)
+        ok, log = run_app(GenerateAssignment, cfg, lesson, force=True, create_assignment=True)
         if not ok:
             raise SystemExit(f"nbgrader generate_assignment {lesson} failed:\n{log}")
     with Gradebook(cfg.CourseDirectory.db_url, cfg.CourseDirectory.course_id) as gb:
@@ -326,7 +111,7 @@ def grade(submissions, lessons=None, students=None, course_dir=ROOT, out=None, j
     jobs = jobs or default_jobs()
     run_id = uuid.uuid4().hex[:12]
     logs = course_dir / "autograded" / LOGS
-    pending = [_Job(student, lesson,
+    pending = [Job(student, lesson,
                     {"course_dir": str(course_dir), "submissions": str(submissions), "out": str(out),
                      "options": options, "student": student, "lesson": lesson,
                      "result": str(logs / student / f"{lesson}.json")},
