@@ -61,5 +61,6 @@ def reasons_from_notebook(path):
         for o in cell.get("outputs", []):
             info = o.get("metadata", {}).get("zerokit_grading")
             if info and info.get("kind") == "fail":
+                # GradingExecute wrote "✗ 0 of <points> points: <reason>": keep the reason
                 reasons[meta["grade_id"]] = info["text"].split(" points: ", 1)[-1]
     return reasons
