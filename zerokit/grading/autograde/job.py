@@ -1,0 +1,102 @@
+"""One (student, lesson), graded in a process of its own forked from the driver.
+
+The grader is forked, not spawned: nbgrader (and everything it pulls in) is imported once,
+in the driver, and each child starts grading at once; nothing is pickled or looked up by
+module path. The child autogrades the notebook with nbgrader, then makes its feedback HTML,
+and writes the outcome as JSON for the driver (pool.py). It leads a process group of its
+own, writes everything to its log, and tags its environment (processes.py), which the
+kernel and everything it starts inherit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+from nbgrader.converters import Autograde, GenerateFeedback
+
+from ..harness import TIMEOUT_ENV
+from .course import course_config, run_app
+from .processes import TAG
+
+
+def _grade_one(spec):
+    """In the forked grader: autograde one notebook, then its feedback; write the outcome as JSON."""
+    cfg = course_config(spec["course_dir"], spec["submissions"], spec["out"], spec["options"])
+    result = {"feedback": False}
+    result["autograde"], log = run_app(Autograde, cfg, spec["lesson"], spec["student"], force=True,
+                                    create_student=True)
+    print(log, flush=True)
+    if result["autograde"]:
+        result["feedback"], log = run_app(GenerateFeedback, cfg, spec["lesson"], spec["student"], force=True)
+        print(log, flush=True)
+    Path(spec["result"]).write_text(json.dumps(result))
+
+
+def _exit_with_parent(parent):
+    """A grader whose driver is gone exits; its kernel (ipykernel watches its parent), the
+    fork server (EOF) and the ranks (they watch the kernel) follow."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(1)
+
+
+class Job:
+    """One (student, lesson), graded in a forked child that leads a process group of its own."""
+
+    def __init__(self, student, lesson, spec, log_path, tag):
+        self.student, self.lesson, self.spec, self.log_path, self.tag = student, lesson, spec, log_path, tag
+        self.pid = self.status = self.started = None
+
+    def start(self, check_timeout):
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        Path(self.spec["result"]).unlink(missing_ok=True)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self.started = time.monotonic()
+        self.pid = os.fork()
+        if self.pid:
+            return
+        code = 1
+        try:  # the child: never returns into the caller's code
+            os.setsid()
+            threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+            fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            # the caller's sys.stdout may be a capture object (pytest's): write to the log itself
+            sys.stdout = open(1, "w", buffering=1, closefd=False)
+            sys.stderr = open(2, "w", buffering=1, closefd=False)
+            os.environ[TAG] = self.tag  # the kernel and everything it starts inherit it
+            if check_timeout is not None:
+                os.environ[TIMEOUT_ENV] = str(check_timeout)
+            _grade_one(self.spec)
+            code = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+
+    def running(self):
+        if self.status is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.status = status
+        return self.status is None
+
+    def kill(self):
+        """Stop a grader still running (only then: a reaped child's group id may be reused)."""
+        if self.running():
+            try:
+                os.killpg(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.status = os.waitpid(self.pid, 0)[1]

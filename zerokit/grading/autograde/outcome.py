@@ -1,0 +1,77 @@
+"""What one graded notebook comes to: its scores and reasons, or 0 and why.
+
+A submission nbgrader cannot grade at all (an unreadable file, a grader that outlived
+--notebook-timeout) scores 0, with the reason on a feedback page of its own, so stale
+grades from an earlier run never survive a regrade.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import re
+import time
+from pathlib import Path
+
+from nbgrader.api import Gradebook
+
+from .reasons import reasons_from_notebook
+
+
+def finish(cfg, job, error, strays):
+    """Scores and reasons of one graded notebook; a zero and a feedback page if nbgrader failed."""
+    seconds = time.monotonic() - job.started
+    try:
+        result = json.loads(Path(job.spec["result"]).read_text())
+    except (OSError, ValueError):
+        result = {}
+    if error is None and not result.get("autograde"):
+        error = "nbgrader could not grade this submission: " + _nbgrader_error(job.log_path)
+    reasons = {}
+    if error is None:
+        autograded = Path(cfg.CourseDirectory.autograded_directory) / job.student / job.lesson / f"{job.lesson}.ipynb"
+        reasons = reasons_from_notebook(autograded)
+        if not result.get("feedback"):
+            reasons["(feedback)"] = f"the feedback HTML could not be generated: see {job.log_path}"
+    with Gradebook(cfg.CourseDirectory.db_url, cfg.CourseDirectory.course_id) as gb:
+        sub = gb.update_or_create_submission(job.lesson, job.student)
+        if error is not None:  # also wipes the grades of an earlier run
+            for nb in sub.notebooks:
+                for g in nb.grades:
+                    g.auto_score, g.manual_score, g.needs_manual_grade = 0, None, False
+            gb.db.commit()
+        cells = {g.name: (g.score, g.max_score) for nb in sub.notebooks for g in nb.grades}
+        score, max_score = sub.score, sub.max_score
+    if error is not None:
+        reasons = {name: error for name in cells}
+        _fallback_feedback(cfg, job.student, job.lesson, error)
+    return {"score": score, "max_score": max_score, "cells": cells, "reasons": reasons, "seconds": seconds,
+            "strays": strays, "error": error}
+
+
+_EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception)): (.+)$")
+
+
+def _nbgrader_error(log_path):
+    """The innermost exception in nbgrader's log, e.g. NotJSONError for a file that is not a notebook."""
+    text = Path(log_path).read_text(errors="replace") if Path(log_path).exists() else ""
+    found = [m for m in map(_EXCEPTION_LINE.match, text.splitlines())
+             if m and not m.group(1).endswith("NbGraderException")]
+    if not found:
+        return f"see {log_path}"
+    name, message = found[-1].groups()  # nbgrader logs the cause chain outermost last
+    if name.endswith("NotJSONError"):
+        return "the file is not a notebook (not valid JSON): open it in JupyterLab, save it, and submit again"
+    return f"{name.rsplit('.', 1)[-1]}: {message[:300]}"
+
+
+def _fallback_feedback(cfg, student, lesson, error):
+    path = Path(cfg.CourseDirectory.feedback_directory) / student / lesson / f"{lesson}.html"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(
+        "<!DOCTYPE html>\n<html><head><meta charset='utf-8'><title>"
+        f"{html.escape(lesson)}: feedback</title></head><body>\n"
+        f"<h1>{html.escape(lesson)}: 0 points</h1>\n"
+        f"<p style='color:#b00020;font-weight:bold'>{html.escape(error)}</p>\n"
+        "<p>Nothing in this notebook could be graded. Check that the file opens in JupyterLab "
+        "and runs from top to bottom, then submit it again.</p>\n</body></html>\n")
