@@ -101,6 +101,14 @@ def close_rel(measured, expected, rel):
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def source_module(name, source, prelude=""):
+    """`prelude + source` executed as a module of its own (not in sys.modules, so cloudpickle sends
+    what it defines to the ranks by value, as it does a notebook's classes)."""
+    module = types.ModuleType(name)
+    exec(prelude + source, module.__dict__)
+    return module
+
+
 def exercise_module(lesson, folder, grade_ids, prelude="", extra=""):
     """The named cells of lessons/ or solutions/ <lesson>, executed as one module.
 
@@ -109,9 +117,7 @@ def exercise_module(lesson, folder, grade_ids, prelude="", extra=""):
     """
     nb = json.loads((ROOT / folder / lesson / f"{lesson}.ipynb").read_text())
     cells = {c["metadata"].get("nbgrader", {}).get("grade_id"): "".join(c["source"]) for c in nb["cells"]}
-    module = types.ModuleType(f"lesson{lesson[:2]}_{folder}")
-    exec(prelude + "\n\n".join(cells[g] for g in grade_ids) + extra, module.__dict__)
-    return module
+    return source_module(f"lesson{lesson[:2]}_{folder}", "\n\n".join(cells[g] for g in grade_ids) + extra, prelude)
 
 
 def fails(check, *args, match, **kwargs):
@@ -157,5 +163,5 @@ def outcome(check, cls, capsys, **kw):
 
 
 __all__ = ["LAUNCH_TIMEOUT", "run_ranks", "new_model", "batch", "rank_slice", "snapshot", "max_diff",
-           "adamw_reference", "ceil_div", "num_trainable", "close_rel", "exercise_module", "fails", "outcome",
+           "adamw_reference", "ceil_div", "num_trainable", "close_rel", "exercise_module", "source_module", "fails", "outcome",
            "UNFINISHED", "fails_exactly", "fails_every_check"]

@@ -33,7 +33,8 @@ import torch.distributed as dist
 import zerokit
 from zerokit.adam import adamw_update_
 from zerokit.grading import lesson03
-from conftest import UNFINISHED, exercise_module, fails, fails_every_check, fails_exactly
+from conftest import UNFINISHED, exercise_module, fails, fails_every_check, fails_exactly, source_module
+from tests.submissions import lesson03 as examples
 
 PRELUDE = """
 import torch
@@ -113,26 +114,12 @@ def test_shard_range_defects(fn, match):
 # the optimizer: one broken class per classic bug
 
 
-class FullState(Solution):
-    """Right numbers, but m and v for the whole model on every rank."""
-
-    def __init__(self, params, **kw):
-        super().__init__(params, **kw)
-        self.exp_avg = torch.zeros(self.bucket.padded_numel)
-        self.exp_avg_sq = torch.zeros(self.bucket.padded_numel)
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        group, b = self.param_groups[0], self.bucket
-        flat_grad = b.flatten([p.grad for p in b.params])
-        grad_shard = torch.empty(b.shard_numel)
-        dist.reduce_scatter_single(grad_shard, flat_grad, op=dist.ReduceOp.AVG)
-        self.steps += 1
-        lo, hi = b.shard_start, b.shard_end
-        adamw_update_(b.shard(self.flat_params), grad_shard, self.exp_avg[lo:hi], self.exp_avg_sq[lo:hi],
-                      self.steps, lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1],
-                      eps=group["eps"], weight_decay=group["weight_decay"])
-        dist.all_gather_single(self.flat_params, b.shard(self.flat_params))
+# the example submissions' broken classes (tests/submissions/lesson03.py), as a notebook defines them
+EXAMPLES = source_module("lesson03_examples", "\n\n".join(
+    source.replace("class MyZeRO1Adam", f"class {name}")
+    for name, source in (("FullState", examples.FULL_STATE), ("CallsTorchAdamW", examples.CALLS_ADAMW))), PRELUDE)
+FullState = EXAMPLES.FullState  # right numbers, but m and v for the whole model on every rank
+CallsTorchAdamW = EXAMPLES.CallsTorchAdamW  # hands its shard to torch.optim.AdamW
 
 
 class AllReduceThenSlice(Solution):
@@ -212,13 +199,6 @@ class WrapsZeroKit(torch.optim.Optimizer):
 
     def step(self, closure=None):
         return self.inner.step(closure)
-
-
-class CallsTorchAdamW(Solution):
-    @torch.no_grad()
-    def step(self, closure=None):
-        _step_with(self)
-        torch.optim.AdamW([self.flat_params]).step()
 
 
 DEFECTS = {  # class -> {check that must fail: message fragment}; every other check must pass
