@@ -59,3 +59,69 @@ def test_every_lesson_has_graded_cells_with_points_and_hidden_tests():
         assert any("### BEGIN HIDDEN TESTS" in "".join(c["source"]) for c in graded), lesson
         ids = [c["metadata"]["nbgrader"]["grade_id"] for c in nb["cells"] if "nbgrader" in c.get("metadata", {})]
         assert len(ids) == len(set(ids)), f"{lesson}: duplicate grade_id"
+
+
+# ---- the layout: the course up front, the machinery in its wings, imports pointing down only
+
+PACKAGE = ROOT / "zerokit"
+# what a student reads beside the lessons, and the small instruments the lessons measure with
+COURSE_MODULES = {"adam", "ddp", "flat", "zero1", "zero2", "zero3", "mixed_precision",
+                  "comm", "memory", "models", "reference", "figures"}
+WINGS = {"launcher", "grading", "bench"}
+
+
+def _module_imports():
+    """{module: the zerokit modules it imports (at any depth of its code)}, read from the source."""
+    import ast
+
+    graph = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found |= {a.name for a in node.names if a.name.startswith("zerokit")}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                if base.startswith("zerokit"):
+                    found |= {f"{base}.{a.name}" for a in node.names} | {base}
+        graph[name] = found
+    # keep only names that are modules of the package (drop imported functions and classes)
+    return {m: {i for i in deps if i in graph and i != m} for m, deps in graph.items()}
+
+
+def test_the_top_level_holds_the_course_and_the_machinery_lives_in_wings():
+    top = {p.stem for p in PACKAGE.glob("*.py")} - {"__init__"}
+    dirs = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert top == COURSE_MODULES, f"top-level modules beyond the course: {sorted(top - COURSE_MODULES)}"
+    assert dirs == WINGS
+
+
+def test_no_import_circle_and_the_course_never_imports_the_machinery():
+    graph = _module_imports()
+    for module, deps in graph.items():
+        if module.split(".")[1:2] and module.split(".")[1] in COURSE_MODULES:
+            wings = sorted(d for d in deps if d.split(".")[1:2] and d.split(".")[1] in WINGS)
+            assert not wings, f"{module} (a course module) imports the machinery: {wings}"
+    # depth-first search for a cycle; `from . import x` inside a package names the package
+    # itself, which is an edge to its __init__ and not a circle of the code
+    state = {}
+
+    def visit(module, path):
+        state[module] = "open"
+        for dep in graph[module]:
+            if dep == module.rpartition(".")[0]:
+                continue
+            if state.get(dep) == "open":
+                raise AssertionError("import circle: " + " -> ".join(path[path.index(dep):] + [dep]))
+            if dep not in state:
+                visit(dep, path + [dep])
+        state[module] = "done"
+
+    for module in graph:
+        if module not in state:
+            visit(module, [module])
