@@ -26,7 +26,7 @@ TORCH_STAMP := $(VENV)/.torch-$(shell printf '%s' '$(TORCH_SPEC) $(TORCH_INDEX)'
 help:
 	@echo "make lab      install (first time) and start JupyterLab on lessons/"
 	@echo "make test     install (first time) and run every test"
-	@echo "make demo     a 3-minute headless tour: memory and communication, measured"
+	@echo "make demo     a one-minute headless tour: memory and communication, measured"
 	@echo "make bench    zerokit against PyTorch's own ZeRO implementations"
 	@echo "make lessons  regenerate lessons/ from solutions/ (nbgrader)"
 	@echo "make grade    autograde $(SUBMISSIONS)/<student>/<lesson>/ (nbgrader)"
