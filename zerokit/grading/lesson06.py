@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.optim import AdamW as _TorchAdamW
 
-from ..mixed_precision import LossScaler, _dtype
+from ..mixed_precision import LossScaler, as_dtype
 from ..models import loss_for
 from ..reference import build_model, global_batch, rank_slice
 from .compare import assert_close
@@ -320,7 +320,7 @@ def _state(opt, attr, i, name):
 
 
 def _train_case(rank, world_size, cls, name, dtype, steps, inject_at):
-    dtype = _dtype(dtype)
+    dtype = as_dtype(dtype)
     compare = inject_at is None  # numerics; otherwise the skipped step alone
     kind = KINDS[name]
     model = build_model(name)
