@@ -64,8 +64,8 @@ class ZeRO2Adam(ZeRO1Adam):
 
     def _make_buckets(self, params):
         # sized in the dtype the gradients will have (16 bits under mixed precision)
-        element_size = self.mixed.param_dtype.itemsize if self.mixed else (params[0].element_size() if params else 4)
-        return make_buckets(params, self.world_size, self.rank, int(self.bucket_mb * 2**20) // element_size)
+        dtype = self.precision.param_dtype or params[0].dtype
+        return make_buckets(params, self.world_size, self.rank, int(self.bucket_mb * 2**20) // dtype.itemsize)
 
     # ---- during backward -------------------------------------------------------------
 

@@ -122,13 +122,12 @@ class ZeRO3Adam(ZeRO2Adam):
         """
         bucket = self.buckets[i]
         shard = bucket.shard_of([p.data for p in bucket.params])
-        if self.mixed:
-            shard = self.shards[i].master = self.mixed.master_copy(shard)
-            if self.mixed.config.half_shard:
-                shard = self.mixed.to_half(shard)
         for p in bucket.params:
-            dtype = self.mixed.param_dtype if self.mixed else p.dtype  # what forward will compute in
-            p.data = torch.empty(0, dtype=dtype, device=p.device)
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        self.precision.cast_parameters_(bucket.params)  # the (empty) parameters compute in 16 bits
+        master = self.shards[i].master = self.precision.master_copy(shard)  # fp32 runs: none
+        if master is not None:
+            shard = self.precision.to_half(master) if self.precision.config.half_shard else master
         return shard  # in ZeRO-3, flat_params[i] is this rank's shard only
 
     # ---- gather and free ---------------------------------------------------------------
@@ -136,9 +135,8 @@ class ZeRO3Adam(ZeRO2Adam):
     def _start_gather(self, bi):
         if self._full[bi] is not None or bi in self._gathering:
             return
-        shard = self.flat_params[bi]
-        if self.mixed:  # an fp32 master at rest is sent in 16 bits (a 16-bit shard as it is)
-            shard = self.mixed.to_half(shard)
+        # an fp32 master at rest is sent in 16 bits (a 16-bit shard as it is)
+        shard = self.precision.to_half(self.flat_params[bi])
         # The same buffer at every gather, its memory allocated here and released by _free
         # (storage resized to 0, PyTorch FSDP's trick). Autograd saves some weights for
         # backward as views of this buffer (a linear layer keeps its transposed weight): with
@@ -230,7 +228,8 @@ class ZeRO3Adam(ZeRO2Adam):
     # ---- step: the updated shards stay where they are --------------------------------
 
     def _param_shard(self, i):
-        return self.shards[i].master if self.mixed else self.flat_params[i]
+        master = self.shards[i].master
+        return self.flat_params[i] if master is None else master
 
     def _publish(self, i):
         if self._param_shard(i) is not self.flat_params[i]:  # a separate 16-bit shard (half_shard)
