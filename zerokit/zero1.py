@@ -118,6 +118,11 @@ class ZeRO1Adam(torch.optim.Optimizer):
     precision: a zerokit.MixedPrecision for 16-bit weights and gradients (None: fp32).
     """
 
+    # Whether a subclass reduce-scatters the gradients during backward (ZeRO-2 and 3 do).
+    # ZeRO-1 reduces them in step(), and until then lets autograd write them into one flat
+    # buffer per bucket (_hook_gradients); a stage that reduces in backward needs no such buffer.
+    reduces_in_backward = False
+
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, group=None,
                  precision=None):
         if not dist.is_initialized():
@@ -145,7 +150,8 @@ class ZeRO1Adam(torch.optim.Optimizer):
                 self.shards.append(ShardedAdamState(bucket, dtype=torch.float32))
         self.flat_params = [self._install_flat_params(i) for i in range(len(self.buckets))]
         self._grad_buffers = [None] * len(self.buckets)  # flat gradients of this step, per bucket
-        if type(self)._grad_shard is ZeRO1Adam._grad_shard:  # not ZeRO-2: it reduces in backward
+        self._grad_cache = None  # this step's reduced gradient shards, once reduced (see _reduced_gradients)
+        if not self.reduces_in_backward:
             self._hook_gradients()
 
     def _make_buckets(self, params):
@@ -237,7 +243,7 @@ class ZeRO1Adam(torch.optim.Optimizer):
 
     def _reduced_gradients(self):
         """This rank's shard of the mean gradient, per bucket (reduced once per step)."""
-        if getattr(self, "_grad_cache", None) is None:
+        if self._grad_cache is None:
             shards = [self._grad_shard(i) for i in range(len(self.buckets))]
             # lesson 06: in fp32, divided by the loss scale, checked for inf on all ranks (fp32: as they are)
             self._grad_cache = self.precision.fp32_gradients(shards)

@@ -43,6 +43,8 @@ class ZeRO2Adam(ZeRO1Adam):
     and hold less memory in flight; larger ones make fewer, more efficient collectives.
     """
 
+    reduces_in_backward = True  # tells ZeRO1Adam: the hooks below reduce the gradients, step() finds them ready
+
     # At most this many buckets' flat gradients wait in transit; a further send first waits
     # for the oldest, so the full-size gradient copies alive stay bounded (not Psi by the end).
     max_in_flight = 2
