@@ -251,11 +251,13 @@ class MixedPrecisionState:
 
 
 class FullPrecision:
-    """The precision state of an fp32 run: MixedPrecisionState's interface, with nothing to do.
+    """The precision state of an fp32 run: what the stages call on a MixedPrecisionState,
+    each doing nothing.
 
     It lets a stage write its fp32 path once, without a branch for lesson 06 at every step:
-    the parameters and gradients keep their own dtype, no master copy is made (Adam updates
-    the weights themselves), the loss is not scaled and no step is skipped.
+    the parameters and gradients keep their own dtype, no master copy is made (master_copy
+    gives None: Adam updates the weights themselves), the loss is not scaled and no step is
+    skipped. step_on_masters and clip_scaled_ are left out: without masters nobody calls them.
     """
 
     config = scaler = None
