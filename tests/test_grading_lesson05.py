@@ -21,6 +21,7 @@ import torch.distributed as dist
 import zerokit
 from zerokit.comm import all_gather
 from zerokit.grading import lesson05
+from zerokit.zero3 import ShardedParameters
 from conftest import outcome
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -118,7 +119,7 @@ class DropsReferencesOnly(Sharded):
             for p in self.buckets[bi].params:
                 p.data = torch.empty(0)
             self._full[bi] = None
-            self.buckets[bi].gather_buffer = None  # a fresh buffer next time
+            self._gather_buffers[bi] = None  # a fresh buffer next time
 
 
 class FreshBuffer(Sharded):
@@ -236,6 +237,10 @@ class SubclassesZeRO3(zerokit.ZeRO3Adam):
     """zerokit's ZeRO-3 under the student's name."""
 
 
+class SubclassesSharded(ShardedParameters):
+    """zerokit's ShardedParameters (exercise 1's reference) under the student's name."""
+
+
 class BorrowsFree(Sharded):
     _free = zerokit.ZeRO3Adam._free
 
@@ -328,9 +333,10 @@ def test_untouched_student_notebook_fails_every_check(capsys):
 @pytest.mark.parametrize("cls, checks, fragment", [
     (SubclassesZeRO3, VISIBLE_HOOKS, "subclasses zerokit.ZeRO3Adam"),
     (SubclassesZeRO3, VISIBLE_MECHANICS, "subclasses zerokit.ZeRO3Adam"),
+    (SubclassesSharded, VISIBLE_MECHANICS, "subclasses zerokit.zero3.ShardedParameters"),
     (BorrowsFree, VISIBLE_MECHANICS, "is zerokit.ZeRO3Adam._free"),
     (BorrowsPreForward, VISIBLE_HOOKS, "is zerokit.ZeRO3Adam._pre_forward"),
-], ids=["subclass-hooks", "subclass-mechanics", "borrows-free", "borrows-pre-forward"])
+], ids=["subclass-hooks", "subclass-mechanics", "subclass-sharded", "borrows-free", "borrows-pre-forward"])
 def test_zerokit_zero3_under_another_name_fails(cls, checks, fragment, capsys):
     for name, check in checks.items():
         reason = outcome(check, cls, capsys)

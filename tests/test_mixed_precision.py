@@ -101,7 +101,7 @@ def make_opt(stage, model, precision, bug=None):
     else:
         opt = zerokit.ZeRO3Adam(model, lr=LR, precision=precision)
     if bug is not None:
-        opt.mixed.__class__ = BUGS[bug]  # the same state, with one method done wrong
+        opt.precision.__class__ = BUGS[bug]  # the same state, with one method done wrong
     return opt
 
 
@@ -123,7 +123,7 @@ def train(rank, stage, precision, bug=None):
     model = build_model("transformer")
     opt = make_opt(stage, model, precision, bug)
     x, y = global_batch("transformer", 0, BATCH)
-    scaler = opt.mixed.scaler if opt.mixed else None
+    scaler = opt.precision.scaler  # None in fp32
     losses, norms, skips = [], [], []
     for _ in range(STEPS):
         loss = loss_for("transformer", model(my_slice(x, rank)).float(), my_slice(y, rank))
@@ -213,7 +213,7 @@ def overflow_run(rank, stage, bug=None):
         after = snapshot(stage, model, opt)
         records.append({"params_same": same(before[0], after[0]), "masters_same": same(before[1], after[1]),
                         "finite": all(torch.isfinite(t).all() for t in after[0] + after[1]),
-                        "scale": opt.mixed.loss_scale, "skipped": opt.mixed.scaler.skipped_steps})
+                        "scale": opt.precision.loss_scale, "skipped": opt.precision.scaler.skipped_steps})
         before = after
     return {"records": records, "params": before[0]}
 

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .adam import Adam
-from .mixed_precision import MixedPrecisionState
+from .mixed_precision import precision_state
 
 __all__ = ["DistributedAdam", "broadcast_parameters", "average_gradients"]
 
@@ -86,10 +86,10 @@ class DistributedAdam(Adam):
         self.group = group
         self._averaged = False  # set by clip_grad_norm_, which must average first
         broadcast_parameters(self._params(), group)
-        self.mixed = None
-        if precision is not None:  # fp32 masters of the (broadcast) weights; the model goes 16-bit
-            self.mixed = MixedPrecisionState(precision, group)
-            self.masters = self.mixed.take_masters(self._params())
+        # lesson 06: the dtypes and the loss scale (fp32: FullPrecision, which does nothing), and
+        # fp32 masters of the (broadcast) weights while the model goes 16-bit (fp32: None)
+        self.precision = precision_state(precision, group)
+        self.masters = self.precision.take_masters(self._params())
 
     def _params(self):
         return [p for g in self.param_groups for p in g["params"]]
@@ -101,20 +101,17 @@ class DistributedAdam(Adam):
             with torch.enable_grad():
                 loss = closure()
         if not self._averaged:
-            average_gradients(self._params(), self.group, self._reduce_dtype())
+            average_gradients(self._params(), self.group, self.precision.reduce_dtype)
         self._averaged = False
-        if self.mixed is None:
+        if self.masters is None:
             self._update()
-        else:  # unscale, skip on overflow, else the same Adam on the fp32 masters
-            self.mixed.step_on_masters(self._params(), self.masters, self._update)
+        else:  # lesson 06: unscale, skip on overflow, else the same Adam on the fp32 masters
+            self.precision.step_on_masters(self._params(), self.masters, self._update)
         return loss
-
-    def _reduce_dtype(self):
-        return self.mixed.reduce_dtype if self.mixed else None
 
     def scale_loss(self, loss):
         """loss times the loss scale (mixed precision fp16); the loss itself otherwise."""
-        return self.mixed.scale_loss(loss) if self.mixed else loss
+        return self.precision.scale_loss(loss)
 
     def zero_grad(self, set_to_none=True):
         super().zero_grad(set_to_none=set_to_none)
@@ -123,13 +120,13 @@ class DistributedAdam(Adam):
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm):
         """Average the gradients now, then clip their global norm (as on one process)."""
-        average_gradients(self._params(), self.group, self._reduce_dtype())
+        average_gradients(self._params(), self.group, self.precision.reduce_dtype)
         self._averaged = True
         grads = [p for p in self._params() if p.grad is not None]
-        if self.mixed is not None:  # 16-bit gradients that may still carry the loss scale
-            return self.mixed.clip_scaled_([p.grad for p in grads], max_norm)
+        if self.masters is not None:  # lesson 06: 16-bit gradients that may still carry the loss scale
+            return self.precision.clip_scaled_([p.grad for p in grads], max_norm)
         return torch.nn.utils.clip_grad_norm_(grads, max_norm)
 
     def memory_categories(self):
         """Mixed precision: the fp32 master weights are optimizer state (the paper's K = 12)."""
-        return {"optimizer_states": [m for m in getattr(self, "masters", []) if m is not None]}
+        return {"optimizer_states": [m for m in self.masters or [] if m is not None]}

@@ -55,14 +55,15 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["MixedPrecision", "LossScaler", "MixedPrecisionState"]
+__all__ = ["MixedPrecision", "LossScaler", "MixedPrecisionState", "FullPrecision", "precision_state", "as_dtype"]
 
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
            "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
            "fp32": torch.float32, "float32": torch.float32}
 
 
-def _dtype(d):
+def as_dtype(d):
+    """A torch.dtype from a dtype or one of its names ("bf16", "fp16", "fp32", ...)."""
     if isinstance(d, torch.dtype):
         return d
     if d not in _DTYPES:
@@ -97,10 +98,10 @@ class MixedPrecision:
     half_shard: bool = False
 
     def __post_init__(self):
-        param_dtype = _dtype(self.param_dtype)
+        param_dtype = as_dtype(self.param_dtype)
         if param_dtype not in (torch.bfloat16, torch.float16):
             raise ValueError(f"param_dtype must be bf16 or fp16, not {param_dtype}")
-        reduce_dtype = param_dtype if self.reduce_dtype is None else _dtype(self.reduce_dtype)
+        reduce_dtype = param_dtype if self.reduce_dtype is None else as_dtype(self.reduce_dtype)
         loss_scaling = param_dtype == torch.float16 if self.loss_scaling is None else bool(self.loss_scaling)
         if not (self.init_scale > 0 and self.growth_factor >= 1 and 0 < self.backoff_factor < 1
                 and self.growth_interval >= 1):
@@ -247,3 +248,53 @@ class MixedPrecisionState:
                 p.grad = None
                 p.data, p.grad = half, half_grad
         return True
+
+
+class FullPrecision:
+    """The precision state of an fp32 run: what the stages call on a MixedPrecisionState,
+    each doing nothing.
+
+    It lets a stage write its fp32 path once, without a branch for lesson 06 at every step:
+    the parameters and gradients keep their own dtype, no master copy is made (master_copy
+    gives None: Adam updates the weights themselves), the loss is not scaled and no step is
+    skipped. step_on_masters and clip_scaled_ are left out: without masters nobody calls them.
+    """
+
+    config = scaler = None
+    param_dtype = reduce_dtype = None  # the parameters' and the gradients' own
+    loss_scale = 1.0
+    found_inf = False
+
+    @staticmethod
+    def master_copy(tensor):
+        return None  # no master: the fp32 weights are updated in place
+
+    @staticmethod
+    def to_half(tensor):
+        return tensor
+
+    @staticmethod
+    def cast_parameters_(params):
+        pass
+
+    @staticmethod
+    def scale_loss(loss):
+        return loss
+
+    @staticmethod
+    def fp32_gradients(grads):
+        return list(grads)  # already fp32, and not scaled
+
+    @staticmethod
+    def should_step() -> bool:
+        return True
+
+    @staticmethod
+    def take_masters(params):
+        return None
+
+
+def precision_state(precision, group=None):
+    """What an optimizer built with `precision=` holds: a MixedPrecisionState for a
+    MixedPrecision, a FullPrecision for None (fp32)."""
+    return FullPrecision() if precision is None else MixedPrecisionState(precision, group)

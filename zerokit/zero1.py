@@ -31,7 +31,7 @@ from .adam import adamw_update_, check_hyperparameters
 from .comm import all_gather, reduce_scatter
 from .ddp import broadcast_parameters
 from .flat import FlatBucket
-from .mixed_precision import MixedPrecisionState
+from .mixed_precision import precision_state
 
 __all__ = ["ZeRO1Adam", "ShardedAdamState", "weak_hook"]
 
@@ -67,7 +67,7 @@ class ShardedAdamState:
         self.exp_avg = torch.zeros(bucket.shard_numel, dtype=dtype, device=device)
         self.exp_avg_sq = torch.zeros(bucket.shard_numel, dtype=dtype, device=device)
         self.steps = [0] * len(bucket.params)
-        self.master = None  # mixed precision: the fp32 master weights of this shard
+        self.master = None  # lesson 06: the fp32 master of this shard's weights (fp32 runs: none)
 
     @torch.no_grad()
     def update(self, param_shard, grad_shard, present, group):
@@ -118,6 +118,11 @@ class ZeRO1Adam(torch.optim.Optimizer):
     precision: a zerokit.MixedPrecision for 16-bit weights and gradients (None: fp32).
     """
 
+    # Whether a subclass reduce-scatters the gradients during backward (ZeRO-2 and 3 do).
+    # ZeRO-1 reduces them in step(), and until then lets autograd write them into one flat
+    # buffer per bucket (_hook_gradients); a stage that reduces in backward needs no such buffer.
+    reduces_in_backward = False
+
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, group=None,
                  precision=None):
         if not dist.is_initialized():
@@ -127,14 +132,15 @@ class ZeRO1Adam(torch.optim.Optimizer):
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        self.mixed = MixedPrecisionState(precision, group) if precision is not None else None
-        self.reduce_dtype = self.mixed.reduce_dtype if self.mixed else None  # None: the gradients' own
+        # lesson 06: the dtypes, the loss scale and the master copies (fp32: FullPrecision, which does nothing)
+        self.precision = precision_state(precision, group)
+        self.reduce_dtype = self.precision.reduce_dtype  # None: the gradients' own
         self.buckets, self.bucket_group, self.shards = [], [], []
         for gi, param_group in enumerate(self.param_groups):
             trainable = [p for p in param_group["params"] if p.requires_grad]
             broadcast_parameters(trainable, group)
-            if self.mixed:  # frozen parameters compute in 16 bits too, and need no master
-                self.mixed.cast_parameters_([p for p in param_group["params"] if not p.requires_grad])
+            # lesson 06: frozen parameters compute in 16 bits too, and need no master
+            self.precision.cast_parameters_([p for p in param_group["params"] if not p.requires_grad])
             by_dtype = {}  # a flat buffer holds one dtype on one device
             for p in trainable:
                 by_dtype.setdefault((p.dtype, p.device), []).append(p)
@@ -144,7 +150,8 @@ class ZeRO1Adam(torch.optim.Optimizer):
                 self.shards.append(ShardedAdamState(bucket, dtype=torch.float32))
         self.flat_params = [self._install_flat_params(i) for i in range(len(self.buckets))]
         self._grad_buffers = [None] * len(self.buckets)  # flat gradients of this step, per bucket
-        if type(self)._grad_shard is ZeRO1Adam._grad_shard:  # not ZeRO-2: it reduces in backward
+        self._grad_cache = None  # this step's reduced gradient shards, once reduced (see _reduced_gradients)
+        if not self.reduces_in_backward:
             self._hook_gradients()
 
     def _make_buckets(self, params):
@@ -154,14 +161,13 @@ class ZeRO1Adam(torch.optim.Optimizer):
     def _install_flat_params(self, i):
         """Move bucket i's parameters into one flat buffer; they become views of it.
 
-        Mixed precision: the buffer is 16-bit, and this rank's shard keeps an fp32 master
-        copy, taken before the weights are rounded.
+        Mixed precision (lesson 06): the buffer is 16-bit, and this rank's shard keeps an
+        fp32 master copy, taken before the weights are rounded (fp32: no copy, flat as it is).
         """
         bucket = self.buckets[i]
         flat = bucket.flatten([p.data for p in bucket.params])
-        if self.mixed:
-            self.shards[i].master = self.mixed.master_copy(bucket.shard(flat))
-            flat = self.mixed.to_half(flat)
+        self.shards[i].master = self.precision.master_copy(bucket.shard(flat))
+        flat = self.precision.to_half(flat)
         for p, view in zip(bucket.params, bucket.views(flat)):
             p.data = view
         return flat
@@ -225,7 +231,7 @@ class ZeRO1Adam(torch.optim.Optimizer):
             return loss
         present = self._presence(self._local_presence())
         grad_shards = self._reduced_gradients()
-        if self.mixed and not self.mixed.should_step():  # inf/nan on some rank: all ranks skip
+        if not self.precision.should_step():  # lesson 06: inf/nan on some rank, so all ranks skip
             self._grad_cache = None
             return loss
         for i, bucket in enumerate(self.buckets):
@@ -237,10 +243,10 @@ class ZeRO1Adam(torch.optim.Optimizer):
 
     def _reduced_gradients(self):
         """This rank's shard of the mean gradient, per bucket (reduced once per step)."""
-        if getattr(self, "_grad_cache", None) is None:
+        if self._grad_cache is None:
             shards = [self._grad_shard(i) for i in range(len(self.buckets))]
-            # mixed precision: in fp32, divided by the loss scale, checked for inf on all ranks
-            self._grad_cache = self.mixed.fp32_gradients(shards) if self.mixed else shards
+            # lesson 06: in fp32, divided by the loss scale, checked for inf on all ranks (fp32: as they are)
+            self._grad_cache = self.precision.fp32_gradients(shards)
         return self._grad_cache
 
     @torch.no_grad()
@@ -281,20 +287,19 @@ class ZeRO1Adam(torch.optim.Optimizer):
     def _param_shard(self, i):
         """The weights this rank updates: a view of the flat buffer, so the model sees them
         (mixed precision: the fp32 master of that view)."""
-        if self.mixed:
-            return self.shards[i].master
-        return self.buckets[i].shard(self.flat_params[i])
+        master = self.shards[i].master
+        return self.buckets[i].shard(self.flat_params[i]) if master is None else master
 
     def _publish(self, i):
         """Every rank gets every updated shard; the input is a view of the output (in place)."""
         shard = self.buckets[i].shard(self.flat_params[i])
-        if self.mixed:
-            shard.copy_(self.shards[i].master)  # round the updated fp32 master to 16 bits
+        if self.shards[i].master is not None:  # lesson 06: round the updated fp32 master to 16 bits
+            shard.copy_(self.shards[i].master)
         all_gather(self.flat_params[i], shard, group=self.group)
 
     def scale_loss(self, loss):
         """loss times the loss scale (mixed precision fp16); the loss itself otherwise."""
-        return self.mixed.scale_loss(loss) if self.mixed else loss
+        return self.precision.scale_loss(loss)
 
     def zero_grad(self, set_to_none=True):
         super().zero_grad(set_to_none=set_to_none)

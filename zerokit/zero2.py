@@ -7,13 +7,21 @@ shard, $G\Psi/N$. Communication is unchanged ($\Psi$ reduce-scatter + $\Psi$ all
 sending during backward overlaps it with the rest of the backward computation.
 
 How gradients are caught: `register_post_accumulate_grad_hook` runs right after autograd
-writes a parameter's .grad (the hook receives the parameter). The hook marks the parameter
-ready; a bucket whose parameters are all ready is flattened, reduce-scattered
-asynchronously, and its parameters' .grad set to None. Buckets are sent strictly in
-order (0, 1, 2, ...), so every rank issues the same collectives in the same order even if
-gradients arrive in a different order; at the end of backward (a callback queued on the
-autograd engine) the remaining buckets are sent, with zeros for parameters that got no
-gradient on this rank, and all transfers are awaited.
+writes a parameter's .grad (the hook receives the parameter). Two hooks per parameter:
+`_mark_present` notes that it got a gradient and has autograd call `_finish_backward` once
+backward is over; `_on_grad_ready` counts it in its bucket, and a bucket whose parameters
+are all in is flattened, reduce-scattered asynchronously (`_send`), and its parameters'
+.grad set to None. Buckets are sent strictly in order (0, 1, 2, ...), so every rank issues
+the same collectives in the same order even if gradients arrive in a different order; at
+the end of backward (`_end_of_backward`) the remaining buckets are sent, with zeros for
+parameters that got no gradient on this rank, and all transfers are awaited.
+
+This class has the shape of lesson 04's scaffold (`MyZeRO2Adam`): the same methods, split
+the same way, so the exercise's three methods (`_on_grad_ready`, `_send`,
+`_end_of_backward`) can be read side by side with a student's. Lines marked "beyond the
+exercise" are what the scaffold leaves out: `no_sync()`, the `max_in_flight` cap,
+mixed precision's reduce dtype and bucket size (lesson 06), and the recovery from a
+backward that raised.
 
 Gradient accumulation over k micro-batches: each backward reduce-scatters, k times in all.
 The cheaper path keeps full gradients locally and reduces once, at the cost of holding
@@ -43,53 +51,66 @@ class ZeRO2Adam(ZeRO1Adam):
     and hold less memory in flight; larger ones make fewer, more efficient collectives.
     """
 
-    # At most this many buckets' flat gradients wait in transit; a further send first waits
-    # for the oldest, so the full-size gradient copies alive stay bounded (not Psi by the end).
-    max_in_flight = 2
+    reduces_in_backward = True  # tells ZeRO1Adam: the hooks below reduce the gradients, step() finds them ready
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  bucket_mb=25.0, group=None, precision=None):
-        self.bucket_mb = bucket_mb
+        self.bucket_mb = bucket_mb  # read by _make_buckets, which ZeRO1Adam.__init__ calls
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, group=group,
                          precision=precision)
-        self.grad_shards = [None] * len(self.buckets)  # mean gradient of my shard, per bucket
+        self.grad_shards = [None] * len(self.buckets)  # this rank's shard of the mean gradient, per bucket
         self._has_grad = [[False] * len(b.params) for b in self.buckets]
-        self._where = {}  # parameter -> (bucket, index in bucket)
+        self._where = {}  # parameter -> (its bucket, its index in the bucket)
         for bi, bucket in enumerate(self.buckets):
             for j, p in enumerate(bucket.params):
                 self._where[p] = (bi, j)
+                # weak_hook: a hook held by the parameter must not keep the optimizer alive
+                p.register_post_accumulate_grad_hook(weak_hook(self._mark_present))  # hooks run in this order
                 p.register_post_accumulate_grad_hook(weak_hook(self._on_grad_ready))
-        self._sync = True
+        self._sync = True  # beyond the exercise: False inside no_sync()
         self._begin_backward()
 
     def _make_buckets(self, params):
-        # sized in the dtype the gradients will have (16 bits under mixed precision)
-        element_size = self.mixed.param_dtype.itemsize if self.mixed else (params[0].element_size() if params else 4)
-        return make_buckets(params, self.world_size, self.rank, int(self.bucket_mb * 2**20) // element_size)
-
-    # ---- during backward -------------------------------------------------------------
+        # beyond the exercise (lesson 06): sized in the dtype the gradients will have, 16 bits
+        # under mixed precision, while the parameters are still fp32 here
+        dtype = self.precision.param_dtype or params[0].dtype
+        return make_buckets(params, self.world_size, self.rank, int(self.bucket_mb * 2**20) // dtype.itemsize)
 
     def _begin_backward(self):
-        self._ready = [0] * len(self.buckets)  # parameters of each bucket with a fresh .grad
-        self._next = 0  # the next bucket to send; buckets go out in order
-        self._in_flight = []  # (work, bucket, output shard, flat input kept alive until done)
+        self._ready = [0] * len(self.buckets)  # parameters of each bucket whose gradient has arrived
+        self._next = 0  # the next bucket to send: buckets go out in order
+        self._in_flight = []  # (work, bucket index, output shard, flat input)
         self._callback_queued = False
 
-    def _on_grad_ready(self, param):
+    def _mark_present(self, param):
+        """Note that param got a gradient (step() skips parameters no rank has one for, as
+        AdamW does), and have autograd call _finish_backward when this backward is over."""
         bi, j = self._where[param]
         self._has_grad[bi][j] = True
         if not self._callback_queued:
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
             self._callback_queued = True
+
+    def _finish_backward(self):
+        self._end_of_backward()
+        self._begin_backward()
+
+    # ---- the exercise of lesson 04 ---------------------------------------------------
+
+    def _on_grad_ready(self, param):
+        """The hook: param's gradient has arrived; send every bucket now complete, in order."""
         if not self._sync:
-            return  # no_sync(): keep accumulating in .grad
+            return  # beyond the exercise: inside no_sync(), gradients accumulate in .grad
+        bi, _ = self._where[param]
         self._ready[bi] += 1
         while self._next < len(self.buckets) and self._ready[self._next] == len(self.buckets[self._next].params):
             self._send(self._next)
 
     @torch.no_grad()
     def _send(self, bi):
+        """Start bucket bi's reduce-scatter (mean, asynchronous) and free its full gradients."""
         bucket = self.buckets[bi]
+        # beyond the exercise (lesson 06): reduce_dtype, the dtype to average in (None: the gradients')
         flat = bucket.flatten([p.grad for p in bucket.params], dtype=self.reduce_dtype)
         for p in bucket.params:
             p.grad = None  # the full gradient is gone as soon as its bucket is on its way
@@ -97,43 +118,38 @@ class ZeRO2Adam(ZeRO1Adam):
         work = reduce_scatter(out, flat, op=dist.ReduceOp.AVG, group=self.group, async_op=True)
         self._in_flight.append((work, bi, out, flat))
         self._next = bi + 1
-        while len(self._in_flight) > self.max_in_flight:
+        while len(self._in_flight) > self.max_in_flight:  # beyond the exercise: see max_in_flight
+            self._receive()
+
+    @torch.no_grad()
+    def _end_of_backward(self):
+        """Send the buckets not sent yet, in order; wait for every transfer; keep the shards."""
+        if self._sync:  # beyond the exercise: inside no_sync() nothing is sent
+            while self._next < len(self.buckets):  # buckets with a parameter that got no gradient
+                self._send(self._next)
+        while self._in_flight:
             self._receive()
 
     def _receive(self):
-        """Wait for the oldest reduce-scatter in flight, keep its shard, drop its flat copy."""
-        work, bi, out, _flat = self._in_flight.pop(0)
+        """Wait for the oldest transfer in flight and keep its output in grad_shards.
+
+        The body of the exercise's waiting loop, in a method of its own because the
+        max_in_flight cap (beyond the exercise) waits for transfers in _send too.
+        """
+        work, bi, out, _flat = self._in_flight.pop(0)  # the flat input is dropped once received
         work.wait()
         if self.grad_shards[bi] is None:
             self.grad_shards[bi] = out
         else:
             self.grad_shards[bi].add_(out)  # gradient accumulation across backward calls
 
-    @torch.no_grad()
-    def _end_of_backward(self):
-        if self._sync:
-            while self._next < len(self.buckets):  # buckets with a parameter that got no gradient
-                self._send(self._next)
-        while self._in_flight:
-            self._receive()
-        self._begin_backward()
-
-    @contextmanager
-    def no_sync(self):
-        """Accumulate gradients locally (full .grad) instead of reduce-scattering each backward."""
-        self._sync = False
-        try:
-            yield
-        finally:
-            self._sync = True
-
-    # ---- step: what changed from ZeRO-1 ------------------------------------------------
+    # ---- what step() reads -----------------------------------------------------------
 
     def _local_presence(self):
         return self._has_grad
 
     def _grad_shard(self, i):
-        if self._in_flight:
+        if self._in_flight:  # beyond the exercise: a clear message instead of a half-reduced gradient
             raise RuntimeError("step() called while gradients are still being reduced (inside backward?)")
         if self.grad_shards[i] is None:  # no backward since zero_grad(): a zero gradient
             return torch.zeros(self.buckets[i].shard_numel, device=self.flat_params[i].device)
@@ -141,8 +157,8 @@ class ZeRO2Adam(ZeRO1Adam):
 
     def zero_grad(self, set_to_none=True):
         super().zero_grad(set_to_none=set_to_none)
-        # A backward that raised never reached _end_of_backward: wait for its transfers and
-        # start clean, or the next backward would believe its callback is already queued.
+        # beyond the exercise: a backward that raised never reached _finish_backward. Wait for
+        # its transfers and start clean, or the next backward would believe its callback queued.
         while self._in_flight:
             self._receive()
         self._begin_backward()
@@ -153,3 +169,18 @@ class ZeRO2Adam(ZeRO1Adam):
         cats = super().memory_categories()
         cats["gradients"] = [g for g in self.grad_shards if g is not None] + [f for *_, f in self._in_flight]
         return cats
+
+    # ---- beyond the exercise -----------------------------------------------------------
+
+    # At most this many buckets' flat gradients wait in transit; a further send first waits
+    # for the oldest, so the full-size gradient copies alive stay bounded (not Psi by the end).
+    max_in_flight = 2
+
+    @contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally (full .grad) instead of reduce-scattering each backward."""
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = True

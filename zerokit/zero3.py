@@ -25,6 +25,12 @@ alone (replicated); every rank must run the same modules in the same order.
 At rest a parameter's `.data` is an empty tensor: use `with opt.gathered():` to look at
 the full weights.
 
+Two classes, with the shape of lesson 05's two exercises: `ShardedParameters` is the
+storage (units, one bucket per unit, the shards, and moving a bucket between its shard
+and its full parameters: `_start_gather`, `_finish_gather`, `_free`); `ZeRO3Adam` decides
+when (the forward and backward hooks, prefetching). Lines marked "beyond the exercise"
+are what the lesson's scaffold leaves out.
+
 Mixed precision (`precision=`, lesson 06): the parameters are sharded like the optimizer
 state, so the fp32 master shard can itself be the parameter storage at rest; it is cast to
 16 bits just before each all-gather, and no separate 16-bit shard is kept (as in PyTorch's
@@ -35,7 +41,6 @@ from contextlib import contextmanager
 from functools import partial
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
@@ -44,117 +49,152 @@ from .comm import all_gather
 from .flat import FlatBucket
 from .zero2 import ZeRO2Adam, weak_hook
 
-__all__ = ["ZeRO3Adam"]
+__all__ = ["ZeRO3Adam", "ShardedParameters", "default_units", "assign_units"]
 
 
-def _default_units(module):
+def default_units(model):
     """Every module that directly owns a trainable parameter, in registration order."""
-    return [m for m in module.modules() if any(p.requires_grad for p in m.parameters(recurse=False))]
+    return [m for m in model.modules() if any(p.requires_grad for p in m.parameters(recurse=False))]
 
 
-class ZeRO3Adam(ZeRO2Adam):
-    """AdamW with optimizer state, gradients and parameters sharded across ranks (ZeRO-3).
+def assign_units(units):
+    """{parameter: unit index}: the innermost unit holding it; a parameter two units hold,
+    neither inside the other (tied weights), goes to the root, unit 0.
 
-    Takes the model, not its parameters: it hooks each unit's forward and backward.
+    units[0] is the root: the model, which contains every other unit and stays gathered
+    through backward.
+    """
+    inside = [{id(m) for m in unit.modules()} for unit in units]
+    owners = {}
+    for u, unit in enumerate(units):
+        for p in unit.parameters():
+            owners.setdefault(p, []).append(u)
+    unit_of = {}
+    for p, us in owners.items():
+        # drop every unit that contains another candidate: what is left is innermost
+        innermost = [u for u in us if not any(v != u and id(units[v]) in inside[u] for v in us)]
+        unit_of[p] = innermost[0] if len(innermost) == 1 else 0
+    return unit_of
+
+
+class ShardedParameters(ZeRO2Adam):
+    """ZeRO-2 whose parameters keep only this rank's shard between uses: one bucket per
+    unit, the unit's parameters empty until gathered (lesson 05, exercise 1).
+
     units: modules whose parameters (all of their subtree, minus what a nested unit owns)
         are gathered and freed together; default: every module that owns parameters
-        directly. prefetch: start the next unit's gather early.
+        directly. prefetch: start the next unit's gather early (see ZeRO3Adam).
     """
 
     def __init__(self, module, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  units=None, prefetch=True, group=None, precision=None):
-        if not isinstance(module, nn.Module):
-            raise TypeError("ZeRO3Adam takes the model (an nn.Module), not its parameters: "
+        if not isinstance(module, nn.Module):  # beyond the exercise: a clear message
+            raise TypeError(f"{type(self).__name__} takes the model (an nn.Module), not its parameters: "
                             "it hooks each module's forward to gather the weights")
-        self.module = module
-        self.prefetch = prefetch
-        self.units = [module] + [m for m in (units if units is not None else _default_units(module))
-                                 if m is not module]
-        self._unit_of = self._assign_parameters()
+        self.module, self.prefetch = module, prefetch
+        # unit 0 is the model itself: it gets the parameters no smaller unit owns alone
+        self.units = [module] + [m for m in (units if units is not None else default_units(module)) if m is not module]
+        self._unit_of = assign_units(self.units)  # parameter -> the index of its unit
         # bucket_mb is unused here: a bucket is a unit, sent when the unit's gradients are in
-        super().__init__(module.parameters(), lr=lr, betas=betas, eps=eps,
-                         weight_decay=weight_decay, group=group, precision=precision)
-        self._buckets_of_unit = [[bi for bi, b in enumerate(self.buckets) if b.unit == u]
+        super().__init__(module.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, group=group,
+                         precision=precision)
+        self.bucket_units = [self._unit_of[b.params[0]] for b in self.buckets]  # bucket -> the index of its unit
+        self._buckets_of_unit = [[bi for bi, v in enumerate(self.bucket_units) if v == u]
                                  for u in range(len(self.units))]
-        self._full = [None] * len(self.buckets)  # gathered flat buffer, while a unit is in use
-        self._gathering = {}  # bucket -> (work, buffer): an all-gather in flight
-        self._order = []  # units in the order this forward ran them so far
-        self._last_order = []  # ... and the whole order of the previous forward
-        for u, m in enumerate(self.units):
-            m.register_forward_pre_hook(partial(weak_hook(self._pre_forward), u))
-            m.register_forward_hook(partial(weak_hook(self._post_forward), u))
-
-    def _assign_parameters(self):
-        """parameter -> unit index: the innermost unit whose subtree holds it.
-
-        A parameter held by two units, neither inside the other (a tied weight), goes to
-        the root (0), which contains every unit and stays gathered through backward.
-        """
-        inside = [{id(m) for m in unit.modules()} for unit in self.units]
-        owners = {}
-        for u, unit in enumerate(self.units):
-            for p in unit.parameters():
-                owners.setdefault(p, []).append(u)
-        unit_of = {}
-        for p, us in owners.items():
-            # drop every unit that contains another candidate: what is left is innermost
-            innermost = [u for u in us if not any(v != u and id(self.units[v]) in inside[u] for v in us)]
-            unit_of[p] = innermost[0] if len(innermost) == 1 else 0
-        return unit_of
+        self._full = [None] * len(self.buckets)  # bucket -> the gathered flat buffer, while in use
+        self._gathering = {}  # bucket -> (work, full buffer, shard): an all-gather in flight
+        self._gather_buffers = [None] * len(self.buckets)  # bucket -> its full-size buffer (see _gather_buffer)
 
     def _make_buckets(self, params):
-        """One bucket per unit, the last unit first: backward finishes units in that order."""
+        """One bucket per unit, the last unit first: backward finishes the units in that order."""
         buckets = []
         for u in reversed(range(len(self.units))):
             mine = [p for p in params if self._unit_of[p] == u]
             if mine:
-                bucket = FlatBucket(mine, self.world_size, self.rank)
-                bucket.unit = u
-                buckets.append(bucket)
+                buckets.append(FlatBucket(mine, self.world_size, self.rank))
         return buckets
 
     @torch.no_grad()
     def _install_flat_params(self, i):
-        """Keep only this rank's shard; the module's parameters become empty tensors.
-
-        Mixed precision: the fp32 master shard is the shard kept at rest (with
-        half_shard=True, a 16-bit copy of it is kept as well and is what gets gathered).
-        """
+        """Keep this rank's shard of bucket i; its parameters become empty tensors."""
         bucket = self.buckets[i]
         shard = bucket.shard_of([p.data for p in bucket.params])
-        if self.mixed:
-            shard = self.shards[i].master = self.mixed.master_copy(shard)
-            if self.mixed.config.half_shard:
-                shard = self.mixed.to_half(shard)
         for p in bucket.params:
-            dtype = self.mixed.param_dtype if self.mixed else p.dtype  # what forward will compute in
-            p.data = torch.empty(0, dtype=dtype, device=p.device)
-        return shard  # in ZeRO-3, flat_params[i] is this rank's shard only
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        # beyond the exercise (lesson 06): the parameters compute in 16 bits, and the fp32
+        # master shard is the storage at rest, cast just before each all-gather; with
+        # half_shard=True a 16-bit copy of it is kept as well, and that is what is gathered
+        self.precision.cast_parameters_(bucket.params)
+        master = self.shards[i].master = self.precision.master_copy(shard)
+        if master is not None:
+            shard = self.precision.to_half(master) if self.precision.config.half_shard else master
+        return shard  # flat_params[i]: this rank's shard only
 
-    # ---- gather and free ---------------------------------------------------------------
+    def _param_shard(self, i):  # step() updates the shard in place ...
+        master = self.shards[i].master  # beyond the exercise (lesson 06): the fp32 master, if any
+        return self.flat_params[i] if master is None else master
+
+    def _publish(self, i):  # ... and publishes nothing: the next forward gathers it
+        # beyond the exercise (lesson 06, half_shard=True): round the master into the 16-bit shard
+        if self._param_shard(i) is not self.flat_params[i]:
+            self.flat_params[i].copy_(self._param_shard(i))
+        # beyond the exercise: a full copy still gathered now holds the weights from before this
+        # step (a forward with grad enabled and no backward after it leaves the root unit
+        # gathered): drop it, or the next forward would skip its gather and use stale weights
+        self._free(i)
+
+    @contextmanager
+    def gathered(self):
+        """The full parameters inside the block (to evaluate, compare or save); freed after."""
+        for bi in range(len(self.buckets)):
+            self._finish_gather(bi)
+        try:
+            yield self.module
+        finally:
+            for bi in range(len(self.buckets)):
+                self._free(bi)
+
+    def memory_categories(self):
+        cats = super().memory_categories()
+        # beyond the exercise (lesson 06): an fp32 master that is also the parameter storage at
+        # rest counts as optimizer state (the paper's K = 12), as ZeRO-1 counts its masters
+        masters = [s.master for s in self.shards]
+        at_rest = [t for t in self.flat_params if not any(t is m for m in masters)]
+        cats["parameters"] = at_rest + [f for f in self._full if f is not None]
+        return cats
+
+    def _gather_buffer(self, bi, shard):
+        """Bucket bi's full-size flat buffer: the same tensor at every gather (autograd's saved
+        views of the weights point into it), its memory allocated again if _free released it.
+
+        A fresh buffer per gather would not do: autograd saves some weights for backward as
+        views of it (a linear layer keeps its transposed weight), and those views would keep
+        every unit's full weights alive from forward to backward. Released in place by _free
+        (storage resized to 0, PyTorch FSDP's trick), the saved views hold no memory in between
+        and see the weights again once backward's gather refills the buffer.
+        """
+        if self._gather_buffers[bi] is None:
+            numel = self.buckets[bi].padded_numel
+            self._gather_buffers[bi] = torch.empty(numel, dtype=shard.dtype, device=shard.device)
+        full = self._gather_buffers[bi]
+        full.untyped_storage().resize_(full.numel() * full.element_size())
+        return full
+
+    # ---- exercise 1 of lesson 05: gather and free ------------------------------------
 
     def _start_gather(self, bi):
+        """Start bucket bi's all-gather (asynchronous) unless it is full or on its way."""
         if self._full[bi] is not None or bi in self._gathering:
             return
-        shard = self.flat_params[bi]
-        if self.mixed:  # an fp32 master at rest is sent in 16 bits (a 16-bit shard as it is)
-            shard = self.mixed.to_half(shard)
-        # The same buffer at every gather, its memory allocated here and released by _free
-        # (storage resized to 0, PyTorch FSDP's trick). Autograd saves some weights for
-        # backward as views of this buffer (a linear layer keeps its transposed weight): with
-        # a fresh buffer per gather, those views would keep every unit's full weights alive
-        # from forward to backward. Resized in place, the saved views hold no memory in
-        # between and see the weights again once backward's gather refills the buffer.
-        bucket = self.buckets[bi]
-        full = getattr(bucket, "gather_buffer", None)
-        if full is None or full.dtype != shard.dtype:
-            full = bucket.gather_buffer = torch.empty(bucket.padded_numel, dtype=shard.dtype, device=shard.device)
-        full.untyped_storage().resize_(full.numel() * full.element_size())
+        # beyond the exercise (lesson 06): an fp32 master at rest is sent in 16 bits
+        shard = self.precision.to_half(self.flat_params[bi])
+        full = self._gather_buffer(bi, shard)
         work = all_gather(full, shard, group=self.group, async_op=True)
         self._gathering[bi] = (work, full, shard)  # the input must outlive the transfer
 
     @torch.no_grad()
     def _finish_gather(self, bi):
+        """Bucket bi's parameters full: start the gather if needed, wait, install the views."""
         self._start_gather(bi)
         if bi in self._gathering:
             work, full, _shard = self._gathering.pop(bi)
@@ -165,18 +205,67 @@ class ZeRO3Adam(ZeRO2Adam):
 
     @torch.no_grad()
     def _free(self, bi):
-        full = self._full[bi]
+        """Bucket bi back to its shard only: empty parameters, the buffer's memory released,
+        nothing in flight."""
         if bi in self._gathering:  # a prefetch nobody used
             work, full, _shard = self._gathering.pop(bi)
             work.wait()
+            full.untyped_storage().resize_(0)  # beyond the exercise: released now, not at the unit's next use
         if self._full[bi] is not None:
             for p in self.buckets[bi].params:
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            self._full[bi].untyped_storage().resize_(0)  # frees it under autograd's saved views too
             self._full[bi] = None
-        if full is not None:
-            full.untyped_storage().resize_(0)  # also under views autograd saved (see _start_gather)
+
+
+class ZeRO3Adam(ShardedParameters):
+    """AdamW with optimizer state, gradients and parameters sharded across ranks (ZeRO-3).
+
+    Takes the model, not its parameters: it hooks each unit's forward and, through the
+    outputs, its backward (lesson 05, exercise 2).
+    units: modules whose parameters (all of their subtree, minus what a nested unit owns)
+        are gathered and freed together; default: every module that owns parameters
+        directly. prefetch: start the next unit's gather early.
+    """
+
+    def __init__(self, module, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                 units=None, prefetch=True, group=None, precision=None):
+        super().__init__(module, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, units=units,
+                         prefetch=prefetch, group=group, precision=precision)
+        self._order, self._last_order = [], []  # units in the order this (the last) forward ran them
+        for u, m in enumerate(self.units):
+            m.register_forward_pre_hook(partial(weak_hook(self._record), u))  # runs first
+            m.register_forward_pre_hook(partial(weak_hook(self._pre_forward), u))
+            m.register_forward_hook(partial(weak_hook(self._post_forward), u))
+
+    def _record(self, u, module, args):
+        if u == 0:  # a new forward begins: the last one predicts the order of this one
+            self._last_order, self._order = self._order or self._last_order, []
+        if u not in self._order:
+            self._order.append(u)
+
+    def _next_in_forward(self, u):
+        """The unit that ran right after u in the last forward (None: unknown, or none)."""
+        k = self._last_order.index(u) + 1 if u in self._last_order else len(self._last_order)
+        return self._last_order[k] if k < len(self._last_order) else None
+
+    def _next_in_backward(self, u):
+        """The unit whose backward comes after u's: the one that ran before u in this forward
+        (after the root's, the last unit's)."""
+        if u == 0:
+            return self._order[-1] if self._order else None
+        k = self._order.index(u) - 1 if u in self._order else -1
+        return self._order[k] if k >= 0 else None
+
+    def _end_of_backward(self):
+        super()._end_of_backward()  # ZeRO-2: send what is left, wait for every transfer
+        for bi in range(len(self.buckets)):
+            self._free(bi)  # the root unit, and any prefetch nobody used
+
+    # ---- exercise 2 of lesson 05: the hooks ------------------------------------------
 
     def _gather_unit(self, u, prefetch_next=None):
+        """Unit u's parameters full; with prefetch, unit prefetch_next's gather started too."""
         for bi in self._buckets_of_unit[u]:
             self._start_gather(bi)
         if self.prefetch and prefetch_next is not None:
@@ -185,25 +274,12 @@ class ZeRO3Adam(ZeRO2Adam):
         for bi in self._buckets_of_unit[u]:
             self._finish_gather(bi)
 
-    @staticmethod
-    def _neighbour(order, u, delta):
-        """The unit that ran just after (delta=1) or before (delta=-1) u in `order`."""
-        if u in order:
-            k = order.index(u) + delta
-            if 0 <= k < len(order):
-                return order[k]
-        return None
-
-    # ---- hooks ------------------------------------------------------------------------
-
     def _pre_forward(self, u, module, args):
-        if u == 0:  # a new forward: what ran last time predicts what runs next
-            self._last_order, self._order = self._order or self._last_order, []
-        if u not in self._order:
-            self._order.append(u)
-        self._gather_unit(u, prefetch_next=self._neighbour(self._last_order, u, +1))
+        """Forward pre-hook of unit u: gather it, and prefetch the unit that comes next."""
+        self._gather_unit(u, prefetch_next=self._next_in_forward(u))
 
     def _post_forward(self, u, module, args, output):
+        """Forward hook of unit u: hook its outputs for the backward gather; free it (not the root)."""
         backward_coming = torch.is_grad_enabled()
         if backward_coming:
             tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -214,49 +290,10 @@ class ZeRO3Adam(ZeRO2Adam):
                 self._free(bi)
 
     def _pre_backward(self, u, grad):
-        # backward visits units in reverse forward order; the root's turn comes first
-        following = self._order[-1] if u == 0 and self._order else self._neighbour(self._order, u, -1)
-        self._gather_unit(u, prefetch_next=following)
+        """The gradient of unit u's output is in: gather it again, prefetch the next backward's."""
+        self._gather_unit(u, prefetch_next=self._next_in_backward(u))
 
     def _send(self, bi):
-        super()._send(bi)  # reduce-scatter this unit's gradients ...
-        self._free(bi)  # ... and its full weights are no longer needed
-
-    def _end_of_backward(self):
-        super()._end_of_backward()
-        for bi in range(len(self.buckets)):
-            self._free(bi)
-
-    # ---- step: the updated shards stay where they are --------------------------------
-
-    def _param_shard(self, i):
-        return self.shards[i].master if self.mixed else self.flat_params[i]
-
-    def _publish(self, i):
-        if self._param_shard(i) is not self.flat_params[i]:  # a separate 16-bit shard (half_shard)
-            self.flat_params[i].copy_(self._param_shard(i))
-        # Nothing to send: the next forward gathers the updated shards. A full copy still
-        # gathered now holds the weights from before this step (a forward with grad enabled
-        # and no backward after it leaves the root unit gathered): drop it, or the next
-        # forward would skip its gather and compute with stale weights.
-        self._free(i)
-
-    @contextmanager
-    def gathered(self):
-        """Full parameters inside the block (to evaluate, save or compare); freed after."""
-        for u in range(len(self.units)):
-            for bi in self._buckets_of_unit[u]:
-                self._finish_gather(bi)
-        try:
-            yield self.module
-        finally:
-            for bi in range(len(self.buckets)):
-                self._free(bi)
-
-    def memory_categories(self):
-        cats = super().memory_categories()
-        # an fp32 master that is also the parameter storage at rest counts as optimizer state
-        masters = [s.master for s in self.shards]
-        at_rest = [t for t in self.flat_params if not any(t is m for m in masters)]
-        cats["parameters"] = at_rest + [f for f in self._full if f is not None]
-        return cats
+        """Bucket bi's gradients are all in: reduce-scatter them (ZeRO-2), then free the weights."""
+        super()._send(bi)  # ZeRO-2: reduce-scatter the unit's gradients, free them ...
+        self._free(bi)  # ... and its full parameters are no longer needed

@@ -3,7 +3,7 @@
 The demo prints these buffers beside what zerokit.memory.MemoryProbe measured, and
 tests/test_memory.py checks the probe against them. They are computed from the optimizer's
 buckets, units and the order its units ran in, so they read those internals: `opt.buckets`
-(each bucket's numel, numels, shard_numel, padded_numel and, under ZeRO-3, unit),
+(each bucket's numel, numels, shard_numel, padded_numel), under ZeRO-3 `opt.bucket_units`,
 `opt.world_size`, `opt.max_in_flight`, `opt.units`, `opt._order` and `opt._last_order`.
 """
 
@@ -62,9 +62,9 @@ def gradient_peak(opt, names=None):
     flight, the oldest transfer beyond max_in_flight awaited).
     """
     buckets = opt.buckets
-    held = [getattr(b, "unit", None) == 0 for b in buckets]  # ZeRO-3's root unit (see above)
-    label = [f"bucket {i}" if getattr(b, "unit", None) is None else _unit_name(opt, b.unit, names or {})
-             for i, b in enumerate(buckets)]
+    units = getattr(opt, "bucket_units", [None] * len(buckets))  # ZeRO-3: the unit of each bucket
+    held = [u == 0 for u in units]  # ZeRO-3's root unit (see above)
+    label = [f"bucket {i}" if u is None else _unit_name(opt, u, names or {}) for i, u in enumerate(units)]
     shards, flight, moments = 0, [], []
     for i, b in enumerate(buckets):
         waiting = FP32 * sum(h.numel for h, is_held in zip(buckets, held) if is_held and h is not b)
@@ -84,7 +84,8 @@ def gathered_peak(opt, names=None):
     """Peak parameter bytes of a ZeRO-3 step, and when: every shard, the root unit gathered,
     and the largest pair of units next to each other in forward order (one computing, the
     other being prefetched; backward visits the same pairs in reverse)."""
-    size = {u: FP32 * sum(b.padded_numel for b in opt.buckets if b.unit == u) for u in range(len(opt.units))}
+    size = {u: FP32 * sum(b.padded_numel for b, v in zip(opt.buckets, opt.bucket_units) if v == u)
+            for u in range(len(opt.units))}
     shards = FP32 * sum(b.shard_numel for b in opt.buckets)
     order = [u for u in (opt._order or opt._last_order) if u != 0]  # the forward order of the last step
     pairs = [(order[0],)] + list(zip(order, order[1:]))

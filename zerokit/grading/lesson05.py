@@ -30,7 +30,8 @@ own slice of the batch, and looks at one thing:
                               current unit computes (and none ahead with prefetch=False).
 
 Isolation: the hook checks give the student's MyZeRO3Adam zerokit's own `_start_gather`,
-`_finish_gather` and `_free` (and `_gather_buffer`), so a bug in the mechanics costs check_gather_free only.
+`_finish_gather` and `_free` (and `_gather_buffer`), those of zerokit.zero3.ShardedParameters,
+so a bug in the mechanics costs check_gather_free only.
 The single-process reference (torch.optim.AdamW) runs before the ranks start, in a one-rank
 launch of its own (the harness forbids torch.optim.Adam/AdamW where the student's code runs,
 and the notebook's process may have rebound it), cached per configuration.
@@ -38,7 +39,6 @@ and the notebook's process may have rebound it), cached per configuration.
 
 import gc
 import inspect
-from types import SimpleNamespace
 
 import torch
 from torch import nn
@@ -51,7 +51,7 @@ from ..memory import census
 from ..models import loss_for
 from ..reference import build_model, global_batch
 from ..zero2 import ZeRO2Adam
-from ..zero3 import ZeRO3Adam, _default_units
+from ..zero3 import ShardedParameters, ZeRO3Adam, assign_units, default_units
 from .compare import assert_close
 from .harness import CheckFailed, passed, run_on_ranks
 
@@ -166,14 +166,19 @@ def _reference_case(_rank, _one, kind, world_size, steps):
 
 
 def _validate(cls, methods, expected_name):
-    """The class is the student's, not zerokit's ZeRO3Adam under another name (in the notebook's process,
-    so CheckFailed: no harness turns an AssertionError into one here)."""
+    """The class is the student's, not zerokit's ZeRO3Adam (or, for exercise 1, zerokit's
+    ShardedParameters) under another name (in the notebook's process, so CheckFailed: no
+    harness turns an AssertionError into one here)."""
     if not isinstance(cls, type):
         raise CheckFailed(f"expected your class ({expected_name}), got {type(cls).__name__}")
     if issubclass(cls, ZeRO3Adam):
         raise CheckFailed(f"{cls.__name__} subclasses zerokit.ZeRO3Adam, the class this exercise re-implements: "
                           "build on the scaffold's ShardedParameters (zerokit.ZeRO2Adam underneath) and write "
                           "the methods yourself")
+    if methods == MECHANICS and issubclass(cls, ShardedParameters):  # exercise 1 re-implements it
+        raise CheckFailed(f"{cls.__name__} subclasses zerokit.zero3.ShardedParameters, the class this exercise "
+                          "re-implements: build on zerokit.ZeRO2Adam, as the scaffold does, and write the methods "
+                          "yourself")
     if not issubclass(cls, ZeRO2Adam):
         raise CheckFailed(f"{cls.__name__} does not build on zerokit.ZeRO2Adam: keep the scaffold's base class")
     for name in methods:
@@ -182,26 +187,26 @@ def _validate(cls, methods, expected_name):
             raise CheckFailed(f"{cls.__name__} has no method {name}: keep the scaffold's method names")
         code = getattr(inspect.unwrap(mine), "__code__", None)
         for ref_cls in (ZeRO3Adam, ZeRO2Adam):
-            theirs = ref_cls.__dict__.get(name)
+            theirs = getattr(ref_cls, name, None)  # ZeRO3Adam's own or inherited from ShardedParameters
             # unwrap: every @torch.no_grad() method shares the decorator's own code object
             if theirs is not None and (mine is theirs or code is getattr(inspect.unwrap(theirs), "__code__", 0)):
                 raise CheckFailed(f"{cls.__name__}.{name} is zerokit.{ref_cls.__name__}.{name}: write it yourself")
 
 
 def with_reference_mechanics(cls):
-    """cls with zerokit.ZeRO3Adam's _start_gather, _finish_gather and _free (and the helpers
-    they call): the hook checks grade the hooks, and a bug in the mechanics costs
-    check_gather_free only."""
-    names = [n for n in MECHANICS + ("_gather_buffer",) if n in ZeRO3Adam.__dict__]
-    return type(cls.__name__, (cls,), {name: ZeRO3Adam.__dict__[name] for name in names})
+    """cls with zerokit's _start_gather, _finish_gather and _free (and the _gather_buffer they
+    call), those of zerokit.zero3.ShardedParameters: the hook checks grade the hooks, and a
+    bug in the mechanics costs check_gather_free only."""
+    names = MECHANICS + ("_gather_buffer",)
+    return type(cls.__name__, (cls,), {name: ShardedParameters.__dict__[name] for name in names})
 
 
 def _expected_buckets(model, units):
     """[(parameters, unit module)] in the order ZeRO-3 lays its buckets out: one per unit that
     owns trainable parameters, the last unit first (as zerokit.zero3 assigns them)."""
     chosen = units_of(model, units)
-    unit_list = [model] + [m for m in (chosen if chosen is not None else _default_units(model)) if m is not model]
-    unit_of = ZeRO3Adam._assign_parameters(SimpleNamespace(units=unit_list))
+    unit_list = [model] + [m for m in (chosen if chosen is not None else default_units(model)) if m is not model]
+    unit_of = assign_units(unit_list)
     trainable = [p for p in model.parameters() if p.requires_grad]
     out = []
     for u in reversed(range(len(unit_list))):

@@ -32,7 +32,7 @@ from torch.optim import AdamW as _TorchAdamW
 
 from .. import ddp as zerokit_ddp
 from .. import zero1 as zerokit_zero1
-from ..mixed_precision import LossScaler, _dtype
+from ..mixed_precision import LossScaler, as_dtype
 from ..models import build_model, model_loss
 from .compare import assert_close
 from .harness import CheckFailed, passed, run_on_ranks, torch_adam_allowed
@@ -307,7 +307,7 @@ def _state(opt, attr, i, name):
 
 
 def _train_case(rank, world_size, cls, name, dtype, steps, inject_at):
-    dtype = _dtype(dtype)
+    dtype = as_dtype(dtype)
     compare = inject_at is None  # numerics; otherwise the skipped step alone
     model = build_model(name)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
