@@ -16,6 +16,7 @@ Models come from the zoo in zerokit.models (`build_model`, `model_batch`, `model
 """
 
 import contextlib
+import functools
 import gc
 import inspect
 import sys
@@ -25,10 +26,11 @@ import torch.distributed as dist
 
 from ..models import build_model, model_batch
 from ..reference import rank_slice
+from .compare import assert_close
 from .harness import CheckFailed, run_on_ranks
 
 __all__ = ["check_class", "refusing", "adamw_reference", "global_batch", "rank_batch", "trainable", "psi_of",
-           "snapshot", "gather_object", "bucket_label", "state_shard", "assert_changed", "optimizer_held_bytes", "alias"]
+           "snapshot", "gather_object", "bucket_label", "state_shard", "assert_changed", "optimizer_held_bytes", "assert_adam_shards", "alias", "renamed_args"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -64,9 +66,10 @@ def check_class(cls, expected, *, refuse=(), base=torch.optim.Optimizer,
         if mine is None:
             raise CheckFailed(f"{cls.__name__} has no method {name}: keep the scaffold's method names")
         for ref_cls in written_in:
-            theirs = ref_cls.__dict__.get(name)
+            owner = next((k for k in ref_cls.__mro__ if name in vars(k)), None)  # where zerokit defines it
+            theirs = vars(owner)[name] if owner is not None else None
             if theirs is not None and (mine is theirs or _code(mine) is _code(theirs)):
-                raise CheckFailed(f"{cls.__name__}.{name} is {_display(ref_cls)}.{name}: write it yourself")
+                raise CheckFailed(f"{cls.__name__}.{name} is {_display(owner)}.{name}: write it yourself")
 
 
 def _display(cls):
@@ -221,6 +224,18 @@ def state_shard(bucket, per_name, name_of):
     return bucket.shard_of([per_name.get(name_of[p]) for p in bucket.params])
 
 
+def assert_adam_shards(shards, buckets, record, name_of, when):
+    """Adam's m and v of this rank's shard of each bucket (`shards[bi].exp_avg`, `.exp_avg_sq`)
+    against AdamW's record. v gets a looser relative tolerance: it squares the gradient, and
+    the different summation order of a reduce-scatter shows in its last bits."""
+    for bi, (bucket, state) in enumerate(zip(buckets, shards)):
+        label = bucket_label(bi, bucket, name_of)
+        assert_close(state.exp_avg, state_shard(bucket, record["exp_avg"], name_of),
+                     f"{when}: Adam's m (exp_avg) for this rank's shard of {label}", atol=1e-6, rtol=1e-4)
+        assert_close(state.exp_avg_sq, state_shard(bucket, record["exp_avg_sq"], name_of),
+                     f"{when}: Adam's v (exp_avg_sq) for this rank's shard of {label}", atol=1e-10, rtol=1e-3)
+
+
 def assert_changed(model, initial):
     """The steps did something: parameters moved and stayed finite (a no-op scores nothing)."""
     now = [p.detach() for p in model.parameters()]
@@ -278,16 +293,26 @@ def optimizer_held_bytes(model, run_steps):
 # old names of checks, kept for a term
 
 
-def alias(check, old_name, **renamed):
-    """`check` under the name a notebook released before the rename calls, with old keyword
-    names (renamed: old -> new, e.g. kind="model") translated."""
-    def old(*args, **kwargs):
-        __tracebackhide__ = True
-        for was, now in renamed.items():
-            if was in kwargs:
-                kwargs[now] = kwargs.pop(was)
-        return check(*args, **kwargs)
+def renamed_args(**renamed):
+    """A check that also takes its keyword arguments' old names (old="new", e.g. kind="model")."""
+    def wrap(check):
+        @functools.wraps(check)
+        def with_old_names(*args, **kwargs):
+            __tracebackhide__ = True
+            for was, now in renamed.items():
+                if was in kwargs:
+                    kwargs[now] = kwargs.pop(was)
+            return check(*args, **kwargs)
 
+        return with_old_names
+
+    return wrap
+
+
+def alias(check, old_name, **renamed):
+    """`check` under the name a notebook released before the rename calls (with old keyword
+    names translated, as renamed_args does)."""
+    old = renamed_args(**renamed)(check)
     old.__name__ = old.__qualname__ = old_name
     old.__doc__ = f"The old name of {check.__name__} (kept for notebooks released before the rename)."
     return old

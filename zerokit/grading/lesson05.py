@@ -17,14 +17,14 @@ own slice of the batch, and looks at one thing:
                               buffer's memory in place (autograd's saved views of it too),
                               and the next gather refills that same buffer; no copy of
                               the gathered weights survives (census of the process);
-- check_matches_adamw         numerics: weights, gradient shards and Adam's m and v shards
-                              against one process running torch.optim.AdamW, every step;
-- check_parameters_sharded    the memory point: every parameter empty between steps, the
+- check_numerics              weights, gradient shards and Adam's m and v shards against
+                              one process running torch.optim.AdamW, every step;
+- check_memory                the stage's point: every parameter empty between steps, the
                               bytes this rank holds at rest ~ (4 + 8) Ψ/N (census), each unit
                               full during its forward and freed right after it, freed in
                               backward once its gradients are sent, and the peak of live
                               parameter bytes inside forward far below a full copy;
-- check_communication         the price: at most two all-gathers per unit per step (forward,
+- check_traffic               the price: at most two all-gathers per unit per step (forward,
                               backward), one reduce-scatter, ≤ 3Ψ in all (1.5x data parallel),
                               and prefetch: the next unit's all-gather is issued before the
                               current unit computes (and none ahead with prefetch=False).
@@ -38,84 +38,33 @@ and the notebook's process may have rebound it), cached per configuration.
 """
 
 import gc
-import inspect
 
 import torch
-from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
-from torch.nn import functional as F
 from torch.utils._pytree import tree_flatten
 
 from ..comm import CommCounter
 from ..memory import census
-from ..models import loss_for
-from ..reference import build_model, global_batch
+from ..models import build_model, model_loss
 from ..zero2 import ZeRO2Adam
 from ..zero3 import ShardedParameters, ZeRO3Adam, assign_units, default_units
 from .compare import assert_close
-from .harness import CheckFailed, passed, run_on_ranks
+from .harness import passed, run_on_ranks
+from .kit import adamw_reference, alias, assert_adam_shards, bucket_label, check_class, global_batch, renamed_args
 
-__all__ = ["check_gather_free", "check_matches_adamw", "check_parameters_sharded", "check_communication",
-           "NestedNet", "build", "batch", "units_of", "with_reference_mechanics", "live_parameter_bytes"]
+__all__ = ["check_gather_free", "check_numerics", "check_memory", "check_traffic", "units_of",
+           "with_reference_mechanics", "live_parameter_bytes"]
 
 # eps 1e-6, not 1e-8 (as in lesson 04): an element of the mean gradient that is ~1e-9 by
 # cancellation turns rounding differences of a different summation order into large Adam steps.
-LR, WEIGHT_DECAY, EPS = 1e-2, 0.1, 1e-6
+HYPER = dict(lr=1e-2, weight_decay=0.1, eps=1e-6)
 PER_RANK = 3  # samples per rank per step
 MECHANICS = ("_start_gather", "_finish_gather", "_free")
 HOOKS = ("_gather_unit", "_pre_forward", "_post_forward", "_pre_backward", "_send")
 
 
 # ---------------------------------------------------------------------------------------
-# models and data
-
-
-class NestedNet(nn.Module):
-    """Nested modules: a stem, residual blocks (a LayerNorm and a two-layer MLP inside a
-    Sequential, inside the block), and a head. Eleven units of similar size, so a ZeRO-3
-    that never frees holds several times what one that frees does."""
-
-    def __init__(self, n_in=13, dim=23, hidden=41, n_blocks=3, n_out=7):
-        super().__init__()
-        self.stem = nn.Linear(n_in, dim)
-        self.blocks = nn.ModuleList(Residual(dim, hidden) for _ in range(n_blocks))
-        self.head = nn.Linear(dim, n_out)
-
-    def forward(self, x):
-        x = self.stem(x)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-
-
-class Residual(nn.Module):
-    def __init__(self, dim, hidden):
-        super().__init__()
-        self.norm = nn.LayerNorm(dim)
-        self.mlp = nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim))
-
-    def forward(self, x):
-        return x + self.mlp(self.norm(x))
-
-
-def build(kind, seed=0):
-    """The model of a kind: "mlp", "edge", "transformer" (zerokit.reference) or "nested"."""
-    if kind == "nested":
-        torch.manual_seed(seed)
-        return NestedNet()
-    return build_model(kind, seed)
-
-
-def batch(kind, step, size):
-    """The global batch of `step`; rank r trains on rows [r*PER_RANK, (r+1)*PER_RANK)."""
-    if kind == "nested":
-        g = torch.Generator().manual_seed(5_000 + step)
-        return torch.randn(size, 13, generator=g), torch.randn(size, 7, generator=g)
-    return global_batch(kind, step, size)
-
-
-def _loss(kind, output, target):
-    return F.mse_loss(output, target) if kind == "nested" else loss_for(kind, output, target)
+# units, data and the reference
 
 
 def units_of(model, units):
@@ -127,38 +76,18 @@ def units_of(model, units):
     raise ValueError(f"units must be None or 'blocks', not {units!r}")
 
 
-_REFERENCES = {}  # (kind, world_size, steps) -> the reference's records
+def _my_slice(model_name, step, world_size, rank):
+    x, y = global_batch(model_name, step, world_size * PER_RANK)
+    return x[rank * PER_RANK:(rank + 1) * PER_RANK], y[rank * PER_RANK:(rank + 1) * PER_RANK]
 
 
-def _reference(kind, world_size, steps, timeout=60.0):
-    """torch.optim.AdamW in one process on the whole batch: per step, the mean gradient
-    (before the step), then the weights and Adam's m and v after it.
-
-    It runs in a fresh one-rank launch, not in the notebook's process, whose torch.optim.AdamW
-    a cell may have rebound."""
-    key = (kind, world_size, steps)
-    if key not in _REFERENCES:
-        _REFERENCES[key] = run_on_ranks(_reference_case, 1, args=(kind, world_size, steps), timeout=timeout,
-                                        forbid_adam=False, what="the reference (torch.optim.AdamW)")[0]
-    return _REFERENCES[key]
+def _whole_batch(net, step, model_name, world_size):
+    x, y = global_batch(model_name, step, world_size * PER_RANK)
+    model_loss(model_name, net(x), y).backward()
 
 
-def _reference_case(_rank, _one, kind, world_size, steps):
-    model = build(kind)
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    opt = torch.optim.AdamW([p for _, p in named], lr=LR, weight_decay=WEIGHT_DECAY, eps=EPS, foreach=False)
-    out = []
-    for step in range(steps):
-        x, y = batch(kind, step, world_size * PER_RANK)
-        _loss(kind, model(x), y).backward()
-        rec = {"grads": {n: p.grad.clone() for n, p in named if p.grad is not None}}
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        rec["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
-        rec["exp_avg"] = {n: opt.state[p]["exp_avg"].clone() for n, p in named if p in opt.state}
-        rec["exp_avg_sq"] = {n: opt.state[p]["exp_avg_sq"].clone() for n, p in named if p in opt.state}
-        out.append(rec)
-    return out
+def _reference(model_name, world_size, steps, timeout):
+    return adamw_reference(model_name, steps, HYPER, _whole_batch, (model_name, world_size), timeout=timeout)
 
 
 # ---------------------------------------------------------------------------------------
@@ -167,30 +96,14 @@ def _reference_case(_rank, _one, kind, world_size, steps):
 
 def _validate(cls, methods, expected_name):
     """The class is the student's, not zerokit's ZeRO3Adam (or, for exercise 1, zerokit's
-    ShardedParameters) under another name (in the notebook's process, so CheckFailed: no
-    harness turns an AssertionError into one here)."""
-    if not isinstance(cls, type):
-        raise CheckFailed(f"expected your class ({expected_name}), got {type(cls).__name__}")
-    if issubclass(cls, ZeRO3Adam):
-        raise CheckFailed(f"{cls.__name__} subclasses zerokit.ZeRO3Adam, the class this exercise re-implements: "
-                          "build on the scaffold's ShardedParameters (zerokit.ZeRO2Adam underneath) and write "
-                          "the methods yourself")
-    if methods == MECHANICS and issubclass(cls, ShardedParameters):  # exercise 1 re-implements it
-        raise CheckFailed(f"{cls.__name__} subclasses zerokit.zero3.ShardedParameters, the class this exercise "
-                          "re-implements: build on zerokit.ZeRO2Adam, as the scaffold does, and write the methods "
-                          "yourself")
-    if not issubclass(cls, ZeRO2Adam):
-        raise CheckFailed(f"{cls.__name__} does not build on zerokit.ZeRO2Adam: keep the scaffold's base class")
-    for name in methods:
-        mine = getattr(cls, name, None)
-        if mine is None:
-            raise CheckFailed(f"{cls.__name__} has no method {name}: keep the scaffold's method names")
-        code = getattr(inspect.unwrap(mine), "__code__", None)
-        for ref_cls in (ZeRO3Adam, ZeRO2Adam):
-            theirs = getattr(ref_cls, name, None)  # ZeRO3Adam's own or inherited from ShardedParameters
-            # unwrap: every @torch.no_grad() method shares the decorator's own code object
-            if theirs is not None and (mine is theirs or code is getattr(inspect.unwrap(theirs), "__code__", 0)):
-                raise CheckFailed(f"{cls.__name__}.{name} is zerokit.{ref_cls.__name__}.{name}: write it yourself")
+    ShardedParameters) under another name."""
+    refuse = [(ZeRO3Adam, "the class this exercise re-implements; build on the scaffold's ShardedParameters "
+               "(zerokit.ZeRO2Adam underneath) and write the methods yourself")]
+    if methods == MECHANICS:  # exercise 1 re-implements ShardedParameters itself
+        refuse.append((ShardedParameters, "the class this exercise re-implements; build on zerokit.ZeRO2Adam, as "
+                       "the scaffold does, and write the methods yourself"))
+    check_class(cls, f"your class ({expected_name})", refuse=refuse, base=ZeRO2Adam, methods=methods,
+                written_in=(ZeRO3Adam, ZeRO2Adam))
 
 
 def with_reference_mechanics(cls):
@@ -220,13 +133,13 @@ def _expected_buckets(model, units):
 # inside the workers
 
 
-def _setup(rank, world_size, cls, kind, units, prefetch=True, reference_mechanics=True):
+def _setup(rank, world_size, cls, model_name, units, prefetch=True, reference_mechanics=True):
     """The model, the student's optimizer, a name per parameter, the unit of each bucket."""
-    model = build(kind)
+    model = build_model(model_name)
     expected = _expected_buckets(model, units)
     if reference_mechanics:
         cls = with_reference_mechanics(cls)
-    opt = cls(model, lr=LR, weight_decay=WEIGHT_DECAY, eps=EPS, units=units_of(model, units), prefetch=prefetch)
+    opt = cls(model, units=units_of(model, units), prefetch=prefetch, **HYPER)
     name_of = {p: n for n, p in model.named_parameters()}
     got = [[name_of.get(p, "?") for p in b.params] for b in getattr(opt, "buckets", [])]
     want = [[name_of[p] for p in params] for params, _ in expected]
@@ -236,20 +149,15 @@ def _setup(rank, world_size, cls, kind, units, prefetch=True, reference_mechanic
     return model, opt, name_of, [unit for _, unit in expected]
 
 
-def _label(bucket, name_of):
-    names = [name_of[p] for p in bucket.params]
-    return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
-
-
 def _is_shape_error(exc):
     text = str(exc)
     return isinstance(exc, RuntimeError) and any(w in text for w in ("size of tensor", "shape", "mat1", "size mismatch",
                                                                       "storage of size 0"))
 
 
-def _forward(kind, model, x, y, step):
+def _forward(model_name, model, x, y, step):
     try:
-        return _loss(kind, model(x), y)
+        return model_loss(model_name, model(x), y)
     except RuntimeError as exc:
         if _is_shape_error(exc):
             raise AssertionError(f"step {step + 1}: forward failed ({str(exc).splitlines()[0]}): a module ran with "
@@ -269,11 +177,6 @@ def _backward(loss, step):
         raise
 
 
-def _my_slice(kind, step, world_size, rank):
-    x, y = batch(kind, step, world_size * PER_RANK)
-    return x[rank * PER_RANK:(rank + 1) * PER_RANK], y[rank * PER_RANK:(rank + 1) * PER_RANK]
-
-
 def _full_values(bucket, tensors, world_size, offsets=None):
     """The full flat buffer of a bucket from full tensors, plus offsets[r] on rank r's shard."""
     flat = bucket.flatten(tensors)
@@ -284,16 +187,16 @@ def _full_values(bucket, tensors, world_size, offsets=None):
     return flat
 
 
-def _mechanics_case(rank, world_size, cls, kind):
+def _mechanics_case(rank, world_size, cls, model_name):
     gc.collect()
     before = census()["total"]  # everything alive in this process before the model exists
-    model = build(kind)
+    model = build_model(model_name)
     full = {n: p.detach().clone() for n, p in model.named_parameters()}
-    opt = cls(model, lr=LR)
+    opt = cls(model, lr=HYPER["lr"])
     name_of = {p: n for n, p in model.named_parameters()}
     offsets = [float(r + 1) for r in range(world_size)]
     for bi, b in enumerate(opt.buckets):
-        label = f"bucket {bi} ({_label(b, name_of)})"
+        label = bucket_label(bi, b, name_of)
         truth = _full_values(b, [full[name_of[p]] for p in b.params], world_size)
         _check_bucket(opt, bi, b, label, truth, name_of, full, offsets, rank, world_size)
     del full, truth  # the check's own copies
@@ -421,18 +324,18 @@ def _check_bucket(opt, bi, b, label, truth, name_of, full, offsets, rank, world_
         opt.flat_params[bi].sub_(offsets[rank])
 
 
-def _numerics_case(rank, world_size, cls, kind, units, ref):
-    model, opt, name_of, _ = _setup(rank, world_size, cls, kind, units)
+def _numerics_case(rank, world_size, cls, model_name, units, ref):
+    model, opt, name_of, _ = _setup(rank, world_size, cls, model_name, units)
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     for step, want in enumerate(ref):
-        x, y = _my_slice(kind, step, world_size, rank)
-        _backward(_forward(kind, model, x, y, step), step)
+        x, y = _my_slice(model_name, step, world_size, rank)
+        _backward(_forward(model_name, model, x, y, step), step)
         for bi, b in enumerate(opt.buckets):
             expected = b.shard_of([want["grads"].get(name_of[p]) for p in b.params])
             g = opt.grad_shards[bi]
             assert_close(expected if g is None and not expected.any() else g, expected,
-                         f"step {step + 1}: this rank's shard of the mean gradient of bucket {bi} "
-                         f"({_label(b, name_of)})", atol=1e-6, rtol=1e-4)
+                         f"step {step + 1}: this rank's shard of the mean gradient of {bucket_label(bi, b, name_of)}",
+                         atol=1e-6, rtol=1e-4)
         opt.step()
         opt.zero_grad()
         kept = [(n, p.numel()) for n, p in trainable if p.numel() != 0]
@@ -442,12 +345,7 @@ def _numerics_case(rank, world_size, cls, kind, units, ref):
         with opt.gathered():
             for name, p in model.named_parameters():
                 assert_close(p.detach(), want["params"][name], f"step {step + 1}: parameter {name} after the step")
-        for bi, (b, st) in enumerate(zip(opt.buckets, opt.shards)):
-            label = f"bucket {bi} ({_label(b, name_of)})"
-            assert_close(st.exp_avg, b.shard_of([want["exp_avg"].get(name_of[p]) for p in b.params]),
-                         f"step {step + 1}: Adam's m for this rank's shard of {label}", atol=1e-6, rtol=1e-4)
-            assert_close(st.exp_avg_sq, b.shard_of([want["exp_avg_sq"].get(name_of[p]) for p in b.params]),
-                         f"step {step + 1}: Adam's v for this rank's shard of {label}", atol=1e-10, rtol=1e-3)
+        assert_adam_shards(opt.shards, opt.buckets, want, name_of, f"step {step + 1}")
     return True
 
 
@@ -472,10 +370,10 @@ def _module_name(model, module):
     return name or "the model (root unit)"
 
 
-def _memory_case(rank, world_size, cls, kind, units, steps):
+def _memory_case(rank, world_size, cls, model_name, units, steps):
     gc.collect()
     before = census()["total"]  # everything alive in this process before the model exists
-    model, opt, name_of, unit_of_bucket = _setup(rank, world_size, cls, kind, units)
+    model, opt, name_of, unit_of_bucket = _setup(rank, world_size, cls, model_name, units)
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     buckets = opt.buckets
     psi = sum(b.numel for b in buckets)
@@ -517,16 +415,16 @@ def _memory_case(rank, world_size, cls, kind, units, steps):
         for bi in range(due):
             kept = [name_of[p] for p in buckets[bi].params if p.numel() != 0]
             if kept and not problems:
-                problems.append(f"in backward, once every gradient of bucket {bi} ({_label(buckets[bi], name_of)}) "
+                problems.append(f"in backward, once every gradient of {bucket_label(bi, buckets[bi], name_of)} "
                                 f"had arrived and been reduce-scattered, {kept[0]} still held its full weights: "
                                 "free a unit's parameters as soon as its gradients are sent (_send)")
         sample()
 
     handles += [p.register_post_accumulate_grad_hook(on_grad) for _, p in trainable]
     for step in range(steps):
-        x, y = _my_slice(kind, step, world_size, rank)
+        x, y = _my_slice(model_name, step, world_size, rank)
         phase[0] = "forward"
-        loss = _forward(kind, model, x, y, step)
+        loss = _forward(model_name, model, x, y, step)
         arrived.clear()
         phase[0] = "backward"
         _backward(loss, step)
@@ -568,10 +466,10 @@ def _memory_case(rank, world_size, cls, kind, units, steps):
             "peak_forward": peak["forward"], "peak_backward": peak["backward"], "bound": bound}
 
 
-def _comm_case(rank, world_size, cls, kind, units, steps):
+def _comm_case(rank, world_size, cls, model_name, units, steps):
     out = {}
     for prefetch in (True, False):
-        model, opt, name_of, unit_of_bucket = _setup(rank, world_size, cls, kind, units, prefetch=prefetch)
+        model, opt, name_of, unit_of_bucket = _setup(rank, world_size, cls, model_name, units, prefetch=prefetch)
         buckets = opt.buckets
         names = [_module_name(model, u) for u in unit_of_bucket]
         counter = [None]
@@ -599,11 +497,11 @@ def _comm_case(rank, world_size, cls, kind, units, steps):
                         unit.register_forward_hook(lambda m, a, o, bi=bi: post(m, a, o, bi), prepend=True)]
         rows = []
         for step in range(steps):
-            x, y = _my_slice(kind, step, world_size, rank)
+            x, y = _my_slice(model_name, step, world_size, rank)
             events.clear()
             with CommCounter() as fwd:
                 counter[0] = fwd
-                loss = _forward(kind, model, x, y, step)
+                loss = _forward(model_name, model, x, y, step)
             with CommCounter() as bwd:
                 counter[0] = bwd
                 _backward(loss, step)
@@ -670,7 +568,8 @@ def _check_traffic(step, fwd, bwd, buckets, events, names, prefetch, model, unit
 # in the notebook
 
 
-def check_gather_free(cls, world_size=2, kind="mlp", timeout=60.0):
+@renamed_args(kind="model")
+def check_gather_free(cls, world_size=2, model="mlp", timeout=60.0):
     """ShardedParameters' mechanics, bucket by bucket: _finish_gather makes one all-gather and
     installs every rank's current shard in place, as views of self._full[bi]; _start_gather
     starts it asynchronously and is not repeated; _free empties the parameters, releases the
@@ -679,9 +578,9 @@ def check_gather_free(cls, world_size=2, kind="mlp", timeout=60.0):
     of the gathered weights survives."""
     __tracebackhide__ = True
     _validate(cls, MECHANICS, "ShardedParameters")
-    res = run_on_ranks(_mechanics_case, world_size, args=(cls, kind), what=f"{cls.__name__} on {kind}",
+    res = run_on_ranks(_mechanics_case, world_size, args=(cls, model), what=f"{cls.__name__} on {model}",
                        timeout=timeout)
-    passed(f"{cls.__name__} gathers and frees correctly on {world_size} ranks ({kind}, {res[0]['buckets']} buckets): "
+    passed(f"{cls.__name__} gathers and frees correctly on {world_size} ranks ({model}, {res[0]['buckets']} buckets): "
            "one all-gather per gather, prefetches not repeated, every rank's current shard in place, the buffer's "
            "memory released by _free (under autograd's saved views too) and refilled by the next gather")
 
@@ -692,40 +591,48 @@ def _hooks_run(case, cls, world_size, args, what, timeout):
     return run_on_ranks(case, world_size, args=(cls, *args), what=what, timeout=timeout)
 
 
-def check_matches_adamw(cls, world_size=2, kind="mlp", units=None, steps=4, timeout=60.0):
+@renamed_args(kind="model")
+def check_numerics(cls, world_size=2, model="mlp", units=None, steps=4, timeout=60.0):
     """Every step, each rank on its own data: the gradient shards, the weights (gathered) and
     Adam's m and v shards equal one process running torch.optim.AdamW on the whole batch."""
     __tracebackhide__ = True
-    ref = _reference(kind, world_size, steps, timeout)
-    _hooks_run(_numerics_case, cls, world_size, (kind, units, ref), f"{cls.__name__} on {kind}", timeout)
+    ref = _reference(model, world_size, steps, timeout)
+    _hooks_run(_numerics_case, cls, world_size, (model, units, ref), f"{cls.__name__} on {model}", timeout)
     how = "" if units is None else f", units={units}"
-    passed(f"{cls.__name__} matches torch.optim.AdamW on {world_size} ranks ({kind}{how}): gradient shards, weights "
+    passed(f"{cls.__name__} matches torch.optim.AdamW on {world_size} ranks ({model}{how}): gradient shards, weights "
            f"and Adam's m, v after each of {steps} steps, every parameter empty between steps")
 
 
-def check_parameters_sharded(cls, world_size=2, kind="nested", units=None, steps=2, timeout=60.0):
+@renamed_args(kind="model")
+def check_memory(cls, world_size=2, model="nested", units=None, steps=2, timeout=60.0):
     """Parameters 1/N per rank: empty between steps, model state at rest ~ 12Ψ/N bytes,
     each unit full for its forward and freed right after, freed in backward once its
     gradients are sent, and the peak of live parameter bytes in forward far below Ψ."""
     __tracebackhide__ = True
-    res = _hooks_run(_memory_case, cls, world_size, (kind, units, steps), f"{cls.__name__} on {kind}", timeout)
+    res = _hooks_run(_memory_case, cls, world_size, (model, units, steps), f"{cls.__name__} on {model}", timeout)
     r = res[0]
-    passed(f"{cls.__name__} keeps parameters sharded on {world_size} ranks ({kind}, Ψ = {r['psi']}): between steps "
+    passed(f"{cls.__name__} keeps parameters sharded on {world_size} ranks ({model}, Ψ = {r['psi']}): between steps "
            f"{r['params_at_rest']} bytes of parameters per rank (its shards: 4Ψ/N = {r['shard_bytes']}); inside "
            f"forward at most {r['peak_forward'] - r['shard_bytes']} bytes gathered beside them (a full copy would be "
            f"{4 * r['psi']}); each unit freed after its forward and once its gradients are sent")
 
 
-def check_communication(cls, world_size=2, kind="mlp", units=None, steps=2, timeout=60.0):
+@renamed_args(kind="model")
+def check_traffic(cls, world_size=2, model="mlp", units=None, steps=2, timeout=60.0):
     """Per step: at most two all-gathers per unit, one reduce-scatter per bucket, no
     all-reduce in forward or backward: ≤ 3Ψ (1.5x data parallel). Prefetch: the next unit's
     all-gather is issued before the current unit computes, in forward and in backward;
     none ahead with prefetch=False."""
     __tracebackhide__ = True
-    res = _hooks_run(_comm_case, cls, world_size, (kind, units, steps), f"{cls.__name__} on {kind}", timeout)
+    res = _hooks_run(_comm_case, cls, world_size, (model, units, steps), f"{cls.__name__} on {model}", timeout)
     r = res[0][True]
     last = r["rows"][-1]["total"]
     moved = last["all_gather"] + last["reduce_scatter"]
     passed(f"{cls.__name__} communicates {last['all_gather']} (all-gather) + {last['reduce_scatter']} "
-           f"(reduce-scatter) = {moved / r['psi']:.2f}Ψ per step on {world_size} ranks ({kind}, Ψ = {r['psi']}; "
+           f"(reduce-scatter) = {moved / r['psi']:.2f}Ψ per step on {world_size} ranks ({model}, Ψ = {r['psi']}; "
            f"data parallel: 2Ψ), and prefetches the next unit in forward and backward")
+
+
+check_matches_adamw = alias(check_numerics, "check_matches_adamw", kind="model")
+check_parameters_sharded = alias(check_memory, "check_parameters_sharded", kind="model")
+check_communication = alias(check_traffic, "check_communication", kind="model")
