@@ -24,12 +24,12 @@ import sys
 import torch
 import torch.distributed as dist
 
-from ..models import build_model, model_batch
+from ..models import build_model, model_batch, model_loss
 from ..reference import rank_slice
 from .compare import assert_close
 from .harness import CheckFailed, run_on_ranks
 
-__all__ = ["check_class", "refusing", "adamw_reference", "global_batch", "rank_batch", "trainable", "psi_of",
+__all__ = ["check_class", "refusing", "adamw_reference", "global_batch", "rank_batch", "batch_backward", "trainable", "psi_of",
            "snapshot", "gather_object", "bucket_label", "state_shard", "assert_changed", "optimizer_held_bytes", "assert_adam_shards", "alias", "renamed_args"]
 
 
@@ -141,6 +141,16 @@ def rank_batch(model, step, size, rank, world_size, stream=0):
     """This rank's equal slice of the global batch of `step`."""
     x, y = global_batch(model, step, size, stream)
     return rank_slice(x, rank, world_size), rank_slice(y, rank, world_size)
+
+
+def batch_backward(net, model, step, size, stream=0, rank=None, world_size=None):
+    """Forward and backward of the global batch of `step` (rank None: one process has it all),
+    or of this rank's slice of it."""
+    if rank is None:
+        x, y = global_batch(model, step, size, stream)
+    else:
+        x, y = rank_batch(model, step, size, rank, world_size, stream)
+    model_loss(model, net(x), y).backward()
 
 
 # ---------------------------------------------------------------------------------------

@@ -27,10 +27,10 @@ import torch.distributed as dist
 
 from .. import ddp as zerokit_ddp
 from ..comm import CommCounter
-from ..models import build_model, model_loss
+from ..models import build_model
 from .compare import assert_close, max_abs_diff
 from .harness import CheckFailed, passed, run_on_ranks
-from .kit import adamw_reference, alias, check_class, global_batch, rank_batch, refusing, trainable
+from .kit import adamw_reference, alias, batch_backward, check_class, refusing, trainable
 
 __all__ = ["check_average_gradients", "check_numerics", "check_traffic"]
 
@@ -48,11 +48,7 @@ NO_ZEROKIT_DDP = [(zerokit_ddp.DistributedAdam, "__init__", f"your code used zer
 
 def _backward(model, step, name, rank=None, world_size=None):
     """The gradient of the global batch of `step` (one process), or of this rank's slice of it."""
-    if rank is None:
-        x, y = global_batch(name, step, GLOBAL_BATCH, STREAM)
-    else:
-        x, y = rank_batch(name, step, GLOBAL_BATCH, rank, world_size, STREAM)
-    model_loss(name, model(x), y).backward()
+    batch_backward(model, name, step, GLOBAL_BATCH, STREAM, rank, world_size)
 
 
 def _used_numel(model):

@@ -32,11 +32,11 @@ from .. import zero1 as zerokit_zero1
 from ..comm import CommCounter, reduce_scatter
 from ..flat import padded_numel
 from ..flat import shard_range as reference_shard_range
-from ..models import build_model, model_loss
+from ..models import build_model
 from .compare import assert_close
 from .harness import CheckFailed, passed, run_on_ranks
-from .kit import (adamw_reference, alias, assert_changed, check_class, global_batch, optimizer_held_bytes,
-                  psi_of, rank_batch, refusing, trainable)
+from .kit import (adamw_reference, alias, assert_changed, batch_backward, check_class, optimizer_held_bytes, psi_of,
+                  refusing, trainable)
 
 __all__ = ["check_shard_range", "check_numerics", "check_memory", "check_traffic"]
 
@@ -147,11 +147,7 @@ def _make(cls, model, weight_decay):
 
 def _backward(model, step, name, rank=None, world_size=None):
     """The gradient of the global batch of `step` (one process), or of this rank's slice of it."""
-    if rank is None:
-        x, y = global_batch(name, step, GLOBAL_BATCH, STREAM)
-    else:
-        x, y = rank_batch(name, step, GLOBAL_BATCH, rank, world_size, STREAM)
-    model_loss(name, model(x), y).backward()
+    batch_backward(model, name, step, GLOBAL_BATCH, STREAM, rank, world_size)
 
 
 def _train_step(name, model, opt, step, rank, world_size):
