@@ -52,6 +52,8 @@ The pieces:
     kit          what all lessons' checks share: the class guard, refusing zerokit's own
                  answer, the AdamW reference run, batches, small readers
     compare      assert_close with a message that says what differs, where
+    questions    "check your understanding": numeric answers checked against digests
+                 (visible) or values (hidden), naming wrong answers, never right ones
     lessons      generate lessons/ from solutions/ (nbgrader), check they have not drifted
     autograde    grade a folder of submissions: scores, feedback, grades.csv
 """
