@@ -1,7 +1,21 @@
 """zerokit: the reference package of "ZeRO from Scratch".
 
-One module per idea, in lesson order: adam (01), ddp (02), flat + zero1 (03), zero2 (04),
-zero3 (05), mixed_precision (06); launch, comm and memory are the tools every lesson uses.
+The course, one module per idea, in lesson order (each a small step from the last):
+
+    adam             01  Adam/AdamW by hand, a torch.optim.Optimizer
+    ddp              02  DistributedAdam: all-reduce the mean gradient
+    flat, zero1      03  flat padded buffers cut into N shards; ZeRO-1 shards Adam's state
+    zero2            04  ZeRO-2: gradients reduce-scattered in buckets during backward
+    zero3            05  ZeRO-3: ShardedParameters (gather, free) under ZeRO3Adam (the hooks)
+    mixed_precision  06  16-bit compute, fp32 masters, the loss scaler, for every stage
+
+The instruments every lesson measures with: comm (collectives counted, theoretical
+volumes), memory (theory and census of model-state bytes), models (the model zoo),
+reference (one process running torch.optim.AdamW: the yardstick), figures.
+
+The machinery, in wings the course modules never import: launcher/ (`zerokit.launch`:
+a callable on N ranks), grading/ (the checks the notebooks' test cells call, and the
+nbgrader flow), bench/ (`make bench`, `make demo`).
 """
 
 from .adam import Adam, adamw_update_
