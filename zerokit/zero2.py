@@ -44,6 +44,16 @@ from .zero1 import ZeRO1Adam, weak_hook
 __all__ = ["ZeRO2Adam", "weak_hook"]
 
 
+def _refuse_nested_backward():
+    """Beyond the exercise (lesson 08). A backward that runs inside another one (what
+    torch.utils.checkpoint does with use_reentrant=True) ends before the outer one does: the
+    end-of-backward callback queued from inside it would send every bucket not yet complete,
+    with zeros, and those buckets would be reduce-scattered again when their gradients came."""
+    raise RuntimeError("a backward ran inside another backward (torch.utils.checkpoint with use_reentrant=True?): "
+                       "ZeRO-2/3 reduce-scatter each bucket once, when the outer backward has produced its "
+                       "gradients; use torch.utils.checkpoint(..., use_reentrant=False)")
+
+
 class ZeRO2Adam(ZeRO1Adam):
     """AdamW with optimizer state and gradients sharded across ranks (ZeRO stage 2).
 
@@ -54,10 +64,10 @@ class ZeRO2Adam(ZeRO1Adam):
     reduces_in_backward = True  # tells ZeRO1Adam: the hooks below reduce the gradients, step() finds them ready
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
-                 bucket_mb=25.0, group=None, precision=None):
+                 bucket_mb=25.0, group=None, precision=None, offload=None):
         self.bucket_mb = bucket_mb  # read by _make_buckets, which ZeRO1Adam.__init__ calls
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, group=group,
-                         precision=precision)
+                         precision=precision, offload=offload)
         self.grad_shards = [None] * len(self.buckets)  # this rank's shard of the mean gradient, per bucket
         self._has_grad = [[False] * len(b.params) for b in self.buckets]
         self._where = {}  # parameter -> (its bucket, its index in the bucket)
@@ -80,18 +90,23 @@ class ZeRO2Adam(ZeRO1Adam):
         self._ready = [0] * len(self.buckets)  # parameters of each bucket whose gradient has arrived
         self._next = 0  # the next bucket to send: buckets go out in order
         self._in_flight = []  # (work, bucket index, output shard, flat input)
-        self._callback_queued = False
+        self._callback_queued, self._callback_task = False, None
 
     def _mark_present(self, param):
         """Note that param got a gradient (step() skips parameters no rank has one for, as
         AdamW does), and have autograd call _finish_backward when this backward is over."""
         bi, j = self._where[param]
         self._has_grad[bi][j] = True
+        task = torch._C._current_graph_task_id()  # beyond the exercise (lesson 08): which backward
         if not self._callback_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-            self._callback_queued = True
+            self._callback_queued, self._callback_task = True, task
+        elif task != self._callback_task:  # beyond the exercise (lesson 08)
+            _refuse_nested_backward()
 
     def _finish_backward(self):
+        if torch._C._current_autograd_node() is not None:  # beyond the exercise (lesson 08)
+            _refuse_nested_backward()
         self._end_of_backward()
         self._begin_backward()
 

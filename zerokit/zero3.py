@@ -45,6 +45,7 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 
+from .activations import in_backward
 from .comm import all_gather
 from .flat import FlatBucket
 from .zero2 import ZeRO2Adam, weak_hook
@@ -87,7 +88,7 @@ class ShardedParameters(ZeRO2Adam):
     """
 
     def __init__(self, module, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
-                 units=None, prefetch=True, group=None, precision=None):
+                 units=None, prefetch=True, group=None, precision=None, offload=None):
         if not isinstance(module, nn.Module):  # beyond the exercise: a clear message
             raise TypeError(f"{type(self).__name__} takes the model (an nn.Module), not its parameters: "
                             "it hooks each module's forward to gather the weights")
@@ -97,7 +98,7 @@ class ShardedParameters(ZeRO2Adam):
         self._unit_of = assign_units(self.units)  # parameter -> the index of its unit
         # bucket_mb is unused here: a bucket is a unit, sent when the unit's gradients are in
         super().__init__(module.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, group=group,
-                         precision=precision)
+                         precision=precision, offload=offload)
         self.bucket_units = [self._unit_of[b.params[0]] for b in self.buckets]  # bucket -> the index of its unit
         self._buckets_of_unit = [[bi for bi, v in enumerate(self.bucket_units) if v == u]
                                  for u in range(len(self.units))]
@@ -125,9 +126,12 @@ class ShardedParameters(ZeRO2Adam):
         # master shard is the storage at rest, cast just before each all-gather; with
         # half_shard=True a 16-bit copy of it is kept as well, and that is what is gathered
         self.precision.cast_parameters_(bucket.params)
-        master = self.shards[i].master = self.precision.master_copy(shard)
-        if master is not None:
+        self.shards[i].keep_master(self.precision.master_copy(shard), shard)
+        master = self.shards[i].master
+        if master is not None and self.offload is None:
             shard = self.precision.to_half(master) if self.precision.config.half_shard else master
+        elif master is not None:  # beyond the exercise (lesson 08): the master is off the device,
+            shard = self.precision.to_half(shard)  # the weights stay on it (in 16 bits, if mixed)
         return shard  # flat_params[i]: this rank's shard only
 
     def _param_shard(self, i):  # step() updates the shard in place ...
@@ -137,7 +141,7 @@ class ShardedParameters(ZeRO2Adam):
     def _publish(self, i):  # ... and publishes nothing: the next forward gathers it
         # beyond the exercise (lesson 06, half_shard=True): round the master into the 16-bit shard
         if self._param_shard(i) is not self.flat_params[i]:
-            self.flat_params[i].copy_(self._param_shard(i))
+            self.shards[i].copy_master(self.flat_params[i])
         # beyond the exercise: a full copy still gathered now holds the weights from before this
         # step (a forward with grad enabled and no backward after it leaves the root unit
         # gathered): drop it, or the next forward would skip its gather and use stale weights
@@ -229,9 +233,9 @@ class ZeRO3Adam(ShardedParameters):
     """
 
     def __init__(self, module, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
-                 units=None, prefetch=True, group=None, precision=None):
+                 units=None, prefetch=True, group=None, precision=None, offload=None):
         super().__init__(module, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, units=units,
-                         prefetch=prefetch, group=group, precision=precision)
+                         prefetch=prefetch, group=group, precision=precision, offload=offload)
         self._order, self._last_order = [], []  # units in the order this (the last) forward ran them
         for u, m in enumerate(self.units):
             m.register_forward_pre_hook(partial(weak_hook(self._record), u))  # runs first
@@ -239,6 +243,8 @@ class ZeRO3Adam(ShardedParameters):
             m.register_forward_hook(partial(weak_hook(self._post_forward), u))
 
     def _record(self, u, module, args):
+        if in_backward():  # beyond the exercise (lesson 08): a recomputation is not a new forward
+            return
         if u == 0:  # a new forward begins: the last one predicts the order of this one
             self._last_order, self._order = self._order or self._last_order, []
         if u not in self._order:
@@ -276,10 +282,14 @@ class ZeRO3Adam(ShardedParameters):
 
     def _pre_forward(self, u, module, args):
         """Forward pre-hook of unit u: gather it, and prefetch the unit that comes next."""
+        if in_backward():  # beyond the exercise (lesson 08): backward is recomputing u's forward
+            return self._pre_recompute(u)
         self._gather_unit(u, prefetch_next=self._next_in_forward(u))
 
     def _post_forward(self, u, module, args, output):
         """Forward hook of unit u: hook its outputs for the backward gather; free it (not the root)."""
+        if in_backward():  # beyond the exercise (lesson 08): the end of a recomputed forward
+            return self._post_recompute(u)
         backward_coming = torch.is_grad_enabled()
         if backward_coming:
             tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -297,3 +307,38 @@ class ZeRO3Adam(ShardedParameters):
         """Bucket bi's gradients are all in: reduce-scatter them (ZeRO-2), then free the weights."""
         super()._send(bi)  # ZeRO-2: reduce-scatter the unit's gradients, free them ...
         self._free(bi)  # ... and its full parameters are no longer needed
+
+    # ---- beyond the exercise (lesson 08): recomputation, and no_sync -------------------
+    #
+    # Activation checkpointing (torch.utils.checkpoint, use_reentrant=False) runs a block's
+    # forward a second time *inside backward*, when backward first needs what that forward
+    # would have saved. The units inside the block were freed after their forward, so the
+    # recomputation needs them gathered again; then their backward follows at once. Lesson
+    # 05's hooks would get this wrong three ways: prefetch the next unit in forward order
+    # (its backward is already over: a wasted all-gather, left gathered until backward ends),
+    # free each unit after its recomputed forward (its backward then gathers it once more,
+    # or, without early stop, runs on freed storage), and hook outputs that never receive a
+    # gradient. in_backward() tells a recomputation from a forward; the two methods below
+    # are what the forward hooks do then. A unit that is itself the checkpointed module is
+    # gathered by its pre-backward hook, before the recomputation starts.
+
+    def _pre_recompute(self, u):
+        """Backward is about to recompute unit u's forward: make u full (gathering it if it
+        was freed), and prefetch nothing."""
+        self._gather_unit(u)
+
+    def _post_recompute(self, u):
+        """Unit u's recomputed forward is done: keep it full, since its backward comes next
+        and _send frees it once its gradients are reduce-scattered; hook nothing, since the
+        recomputed outputs only stand in for saved tensors and never receive a gradient."""
+
+    def _on_grad_ready(self, param):
+        """ZeRO-2's hook, and under no_sync(): nothing is sent, but a unit whose gradients are
+        all in is not needed by this backward any more: free its parameters (its full .grad
+        stays, accumulating, until a backward outside no_sync() reduce-scatters it)."""
+        super()._on_grad_ready(param)
+        if not self._sync:
+            bi, _ = self._where[param]
+            self._ready[bi] += 1  # ZeRO-2 counts only what it sends: under no_sync the count is ours
+            if self._ready[bi] == len(self.buckets[bi].params):
+                self._free(bi)
