@@ -202,12 +202,26 @@ class WireCounter:
         return False
 
 
-def theory_volume(stage: str, psi: int) -> int:
-    """Elements communicated per rank per step in the paper's convention.
+def theory_volume(stage: str, psi: int, micro_batches: int = 1, no_sync: bool = False) -> int:
+    """Elements communicated per rank per optimizer step in the paper's convention.
 
-    stage: "ddp", "zero1", "zero2" -> 2 * psi; "zero3" -> 3 * psi.
+    stage: "ddp", "zero1", "zero2" -> 2 * psi; "zero3" -> 3 * psi (one backward per step).
+
+    Gradient accumulation (lesson 08) over k = micro_batches backward calls per step: data
+    parallel and ZeRO-1 reduce in step(), once, whatever k. ZeRO-2 and ZeRO-3 reduce-scatter
+    during every backward, k psi in all, unless the first k - 1 run under no_sync() (full
+    gradients kept meanwhile): psi. ZeRO-3 also gathers the parameters for every forward and
+    every backward, 2 k psi, which no_sync does not change. ZeRO-1/2 all-gather once, in step().
     """
     factors = {"ddp": 2, "zero1": 2, "zero2": 2, "zero3": 3}
     if stage not in factors:
         raise ValueError(f"stage must be one of {sorted(factors)}, not {stage!r}")
+    if micro_batches < 1:
+        raise ValueError(f"micro_batches must be at least 1, not {micro_batches}")
+    k = micro_batches
+    reduce_scatters = 1 if no_sync else k
+    if stage == "zero2":
+        return (reduce_scatters + 1) * psi
+    if stage == "zero3":
+        return (2 * k + reduce_scatters) * psi
     return factors[stage] * psi
