@@ -65,7 +65,7 @@ def test_every_lesson_has_graded_cells_with_points_and_hidden_tests():
 
 PACKAGE = ROOT / "zerokit"
 # what a student reads beside the lessons, and the small instruments the lessons measure with
-COURSE_MODULES = {"adam", "ddp", "flat", "zero1", "zero2", "zero3", "mixed_precision",
+COURSE_MODULES = {"adam", "ddp", "flat", "zero1", "zero2", "zero3", "mixed_precision", "activations", "offload",
                   "comm", "memory", "models", "reference", "figures"}
 WINGS = {"launcher", "grading", "bench"}
 

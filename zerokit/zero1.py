@@ -32,6 +32,7 @@ from .comm import all_gather, reduce_scatter
 from .ddp import broadcast_parameters
 from .flat import FlatBucket
 from .mixed_precision import precision_state
+from .offload import offload_place
 
 __all__ = ["ZeRO1Adam", "ShardedAdamState", "weak_hook"]
 
@@ -61,13 +62,37 @@ class ShardedAdamState:
 
     CPU_CHUNK = 1 << 16  # elements per Adam call on a CPU (see update)
 
-    def __init__(self, bucket: FlatBucket, dtype=torch.float32, device=None):
+    def __init__(self, bucket: FlatBucket, dtype=torch.float32, device=None, place=None):
         self.bucket = bucket
+        # lesson 08: where m, v and the master live (zerokit.offload: disk, pinned host memory); None: here
+        self.place = place
         device = device or bucket.params[0].device
-        self.exp_avg = torch.zeros(bucket.shard_numel, dtype=dtype, device=device)
-        self.exp_avg_sq = torch.zeros(bucket.shard_numel, dtype=dtype, device=device)
+        if place is None:
+            self.exp_avg = torch.zeros(bucket.shard_numel, dtype=dtype, device=device)
+            self.exp_avg_sq = torch.zeros(bucket.shard_numel, dtype=dtype, device=device)
+        else:
+            self.exp_avg = place.new_tensor("exp_avg", bucket.shard_numel)
+            self.exp_avg_sq = place.new_tensor("exp_avg_sq", bucket.shard_numel)
         self.steps = [0] * len(bucket.params)
         self.master = None  # lesson 06: the fp32 master of this shard's weights (fp32 runs: none)
+
+    def keep_master(self, master, weights):
+        """Hold the fp32 master of this shard (lesson 06; None: fp32 weights are their own),
+        where the state lives (lesson 08). A place that runs Adam away from the weights (pinned
+        host memory) needs a master in fp32 too: a copy of `weights`, this shard's weights."""
+        if self.place is not None:
+            if master is None and self.place.needs_master:
+                master = weights
+            if master is not None:
+                master = self.place.new_tensor("master", master.numel(), init=master.detach().float())
+        self.master = master
+
+    def copy_master(self, shard):
+        """Write the master's values into `shard` (a 16-bit shard of the weights)."""
+        if self.place is None:
+            shard.copy_(self.master)
+        else:
+            self.place.copy_master(self.master, shard)
 
     @torch.no_grad()
     def update(self, param_shard, grad_shard, present, group):
@@ -76,21 +101,31 @@ class ShardedAdamState:
             if has_grad:
                 self.steps[i] += 1
         beta1, beta2 = group["betas"]
+        place = self.place  # lesson 08: offloaded state is streamed, a chunk at a time
+        if place is not None:
+            param_shard, grad_shard = place.begin(self, param_shard, grad_shard)
         # On a CPU, cut the shard into chunks. adamw_update_ allocates temporaries as large as
         # its input (sqrt, division): on a whole shard each is a fresh multi-MiB block that the
         # C library maps and the kernel faults in again every step, and each of its eight passes
         # streams the shard through main memory. A chunk's four tensors stay in the cache and
         # its temporaries are small and reused: about 3x faster on one core. On a GPU one
         # kernel per operation over the whole shard is best.
-        chunk = self.CPU_CHUNK if param_shard.device.type == "cpu" else None
+        chunk = self.CPU_CHUNK if grad_shard.device.type == "cpu" else None
+        chunk = place.chunk_numel if place is not None else chunk
         for lo, hi, step in self._runs(present):
             for a in range(lo, hi, chunk or hi - lo):
                 b = min(a + chunk, hi) if chunk else hi
+                if place is not None:
+                    place.before_chunk(a, b)
                 adamw_update_(
                     param_shard[a:b], grad_shard[a:b], self.exp_avg[a:b], self.exp_avg_sq[a:b], step,
                     lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                     weight_decay=group["weight_decay"],
                 )
+                if place is not None:
+                    place.after_chunk(self, param_shard, a, b)
+        if place is not None:
+            place.end()
 
     def _runs(self, present):
         """Contiguous [lo, hi) ranges of the shard that share one step count: usually one."""
@@ -116,6 +151,9 @@ class ZeRO1Adam(torch.optim.Optimizer):
     rank 0 at construction, and the trainable ones become views of one flat buffer per
     param group (frozen ones, requires_grad=False, are left alone).
     precision: a zerokit.MixedPrecision for 16-bit weights and gradients (None: fp32).
+    offload: where the optimizer state lives (lesson 08): None (here), "disk" (memory-mapped
+        files, streamed through Adam), "cpu" (pinned host memory, the step on the CPU; GPU
+        runs), or a zerokit.offload.Offload.
     """
 
     # Whether a subclass reduce-scatters the gradients during backward (ZeRO-2 and 3 do).
@@ -124,7 +162,7 @@ class ZeRO1Adam(torch.optim.Optimizer):
     reduces_in_backward = False
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, group=None,
-                 precision=None):
+                 precision=None, offload=None):
         if not dist.is_initialized():
             raise RuntimeError(f"{type(self).__name__} needs torch.distributed to be initialised (see zerokit.launch)")
         check_hyperparameters(lr, betas, eps, weight_decay)
@@ -135,6 +173,9 @@ class ZeRO1Adam(torch.optim.Optimizer):
         # lesson 06: the dtypes, the loss scale and the master copies (fp32: FullPrecision, which does nothing)
         self.precision = precision_state(precision, group)
         self.reduce_dtype = self.precision.reduce_dtype  # None: the gradients' own
+        first = next((p for g in self.param_groups for p in g["params"]), None)
+        # lesson 08: where the optimizer state lives (None: in memory, beside the parameters)
+        self.offload = offload_place(offload, first.device if first is not None else "cpu")
         self.buckets, self.bucket_group, self.shards = [], [], []
         for gi, param_group in enumerate(self.param_groups):
             trainable = [p for p in param_group["params"] if p.requires_grad]
@@ -147,7 +188,7 @@ class ZeRO1Adam(torch.optim.Optimizer):
             for bucket in (b for ps in by_dtype.values() for b in self._make_buckets(ps)):
                 self.buckets.append(bucket)
                 self.bucket_group.append(gi)
-                self.shards.append(ShardedAdamState(bucket, dtype=torch.float32))
+                self.shards.append(ShardedAdamState(bucket, dtype=torch.float32, place=self.offload))
         self.flat_params = [self._install_flat_params(i) for i in range(len(self.buckets))]
         self._grad_buffers = [None] * len(self.buckets)  # flat gradients of this step, per bucket
         self._grad_cache = None  # this step's reduced gradient shards, once reduced (see _reduced_gradients)
@@ -166,7 +207,7 @@ class ZeRO1Adam(torch.optim.Optimizer):
         """
         bucket = self.buckets[i]
         flat = bucket.flatten([p.data for p in bucket.params])
-        self.shards[i].master = self.precision.master_copy(bucket.shard(flat))
+        self.shards[i].keep_master(self.precision.master_copy(bucket.shard(flat)), bucket.shard(flat))
         flat = self.precision.to_half(flat)
         for p, view in zip(bucket.params, bucket.views(flat)):
             p.data = view
@@ -294,7 +335,7 @@ class ZeRO1Adam(torch.optim.Optimizer):
         """Every rank gets every updated shard; the input is a view of the output (in place)."""
         shard = self.buckets[i].shard(self.flat_params[i])
         if self.shards[i].master is not None:  # lesson 06: round the updated fp32 master to 16 bits
-            shard.copy_(self.shards[i].master)
+            self.shards[i].copy_master(shard)
         all_gather(self.flat_params[i], shard, group=self.group)
 
     def scale_loss(self, loss):
