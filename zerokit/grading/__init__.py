@@ -36,6 +36,13 @@ the student's code, under the same names, plus what only its lesson has:
                           check_scale_schedule     backoff and growth
                           check_numerics           fp32 masters, m and v vs AdamW; 16-bit weights
                           check_overflow_step      nothing changes on a skipped step
+    08 beyond model state check_saved_bytes        exercise 1: bytes autograd saves, weights left out
+                          check_saved_views        ... each storage once, and all of it
+                          check_recompute          exercise 2: _pre_forward under recomputation, vs AdamW
+                          check_recompute_memory   ... _post_forward frees in forward, blocks keep their input
+                          check_recompute_traffic  ... one reduce-scatter, at most two gathers per bucket
+                          check_offload_numerics   exercise 3: the disk-streamed Adam step vs AdamW
+                          check_offload_memory     ... resident memory rises by chunks, not by the state
 
 (The names the notebooks called before, e.g. check_zero1_numerics, check_matches_adamw, and
 the `kind=` argument for `model=`, still work for a term: each module aliases them.)

@@ -1,0 +1,579 @@
+r"""Checks for lesson 08 (beyond model states): activations counted, recomputation under
+ZeRO-3, and Adam's state streamed from disk.
+
+Exercise 1, `saved_activation_bytes(module, *inputs) -> int`: the bytes autograd saves for
+backward when the module runs once, each storage once, parameters left out. The reference
+is computed another way: by walking the autograd graph the forward built and reading each
+node's saved tensors (`grad_fn._saved_*`).
+- check_saved_bytes     layers whose saved tensors have storages of their own (a linear
+                        layer on a 3-D input, LayerNorm, an MLP, tanh, an embedding): the
+                        count, and the weights they save left out;
+- check_saved_views     modules without parameters that save several views of one storage,
+                        or a view of part of one (sin x * cos x, attention's q, k, v, a
+                        slice, x.t() * x.t()): each storage once, and all of it.
+
+Exercise 2, `RecomputingZeRO3` (on zerokit.ZeRO3Adam): `_pre_forward` and `_post_forward`
+that also do the right thing when backward recomputes a checkpointed block (in_backward()).
+The zoo's transformer runs with both blocks checkpointed (zerokit.activations.
+checkpoint_modules, non-reentrant) and ZeRO-3's default units, which lie inside them. Each
+check grades one hook and gives the student's class zerokit's version of the other (and
+zerokit's own recompute handling refuses to run for the student's code):
+- check_recompute         `_pre_forward` (zerokit's `_post_forward`): weights, m and v equal
+                          torch.optim.AdamW after every step, so the recomputation ran on full
+                          parameters; in backward no unit is gathered twice (a prefetch in
+                          forward order fetches a unit whose backward is over);
+- check_recompute_memory  `_post_forward` in forward (zerokit's `_pre_forward`): every unit
+                          but the root freed right after its forward although its block is
+                          checkpointed, every parameter empty and the model state 12 Psi/N at
+                          rest, and the saved activations of a block are its input only;
+- check_recompute_traffic `_post_forward` in a recomputation (zerokit's `_pre_forward`): each
+                          bucket reduce-scattered once and gathered at most twice per step: a
+                          recomputed unit stays gathered for the backward that follows.
+
+Exercise 3, `disk_adam_step(master, exp_avg, exp_avg_sq, grad, half, step, *, lr, beta1,
+beta2, eps, weight_decay, chunk_numel)`: AdamW on a shard whose fp32 master, m and v are
+zerokit.offload.DiskTensors, at most chunk_numel elements at a time, writing the rounded
+weights into `half`:
+- check_offload_numerics  master, m and v (read back from the files) and the 16-bit weights
+                          equal torch.optim.AdamW's after each of 3 steps, on 2 ranks;
+- check_offload_memory    on a 4 Mi-element shard (48 MiB of state on disk), the peak resident
+                          memory of the rank during the step rises by a few chunks, not by
+                          the state (the kernel's high-water mark, /proc/self/clear_refs).
+"""
+
+import ctypes
+import gc
+import os
+import re
+import tempfile
+
+import torch
+from torch import nn
+
+from ..activations import SavedActivations, checkpoint_modules, in_backward
+from ..comm import CommCounter
+from ..memory import census
+from ..models import build_model, model_loss
+from ..offload import DiskPlace, DiskTensor
+from ..zero1 import ShardedAdamState
+from ..zero3 import ShardedParameters, ZeRO3Adam
+from .compare import assert_close
+from .harness import CheckFailed, passed, run_on_ranks, torch_adam_allowed
+from .kit import adamw_reference, assert_adam_shards, bucket_label, check_class, global_batch, refusing
+
+__all__ = ["check_saved_bytes", "check_saved_views", "check_recompute", "check_recompute_memory",
+           "check_recompute_traffic", "check_offload_numerics", "check_offload_memory", "reference_saved_bytes"]
+
+MiB = 2**20
+
+# ---------------------------------------------------------------------------------------
+# exercise 1: counting
+
+
+class SinCos(nn.Module):
+    """sin(x) * cos(x): sin and cos both save x."""
+
+    def forward(self, x):
+        return torch.sin(x) * torch.cos(x)
+
+
+class ChunkAttention(nn.Module):
+    """Causal attention on q, k, v cut from one tensor: three views of one storage saved."""
+
+    def forward(self, qkv):
+        q, k, v = qkv.chunk(3, dim=-1)
+        return nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+class Square(nn.Module):
+    """x * x on a transposed view of x: mul saves both operands, one view, twice."""
+
+    def forward(self, x):
+        xt = x.t()
+        return xt * xt
+
+
+class HalfSin(nn.Module):
+    """sin of the first half of x: sin saves a view of part of x, which keeps all of x alive."""
+
+    def forward(self, x):
+        return torch.sin(x[:, : x.shape[1] // 2])
+
+
+def _grad_input(*shape):
+    return torch.randn(*shape).requires_grad_()  # the input of a layer deep inside a model
+
+
+def _layers(which):
+    torch.manual_seed(8)
+    if which == "plain":
+        return [("nn.Linear(13, 7) on a (2, 5, 13) input", nn.Linear(13, 7), (_grad_input(2, 5, 13),)),
+                ("nn.LayerNorm(13)", nn.LayerNorm(13), (_grad_input(3, 4, 13),)),
+                ("Linear -> GELU -> Linear", nn.Sequential(nn.Linear(13, 29), nn.GELU(), nn.Linear(29, 13)),
+                 (_grad_input(6, 13),)),
+                ("nn.Tanh()", nn.Tanh(), (_grad_input(4, 6),)),
+                ("nn.Embedding(11, 6)", nn.Embedding(11, 6), (torch.randint(0, 11, (3, 4)),))]
+    # no parameters here: a count that includes the weights costs check_saved_bytes only
+    return [("sin(x) * cos(x)", SinCos(), (_grad_input(4, 6),)),
+            ("attention on q, k, v = qkv.chunk(3)", ChunkAttention(), (_grad_input(2, 3, 7, 12),)),
+            ("sin of x's first half", HalfSin(), (_grad_input(5, 8),)),
+            ("x.t() * x.t()", Square(), (_grad_input(3, 7),))]
+
+
+def _walk(outputs):
+    """Every tensor the autograd graph behind `outputs` holds for backward (grad_fn._saved_*)."""
+    seen, stack, found = set(), [o.grad_fn for o in outputs], []
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        for name in dir(node):
+            if name.startswith("_saved_"):
+                value = getattr(node, name)
+                found += [t for t in (value if isinstance(value, (list, tuple)) else [value])
+                          if isinstance(t, torch.Tensor)]
+        stack += [f for f, _ in node.next_functions]
+    return found
+
+
+def reference_saved_bytes(module, *inputs):
+    """{"bytes": the right count, "parameters": the bytes of the saved weights, "per_tensor": each
+    saved tensor's storage counted every time, "elements": each storage counted by the elements
+    of its views}, read from the autograd graph of one forward."""
+    out = module(*inputs)
+    saved = [t for t in _walk([o for o in (out if isinstance(out, tuple) else (out,)) if o.grad_fn is not None])
+             if t.untyped_storage().nbytes()]
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    acts = [t for t in saved if t.untyped_storage().data_ptr() not in params]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in acts}
+    views = {}
+    for t in acts:
+        key = t.untyped_storage().data_ptr()
+        views[key] = max(views.get(key, 0), t.numel() * t.element_size())
+    return {"bytes": sum(storages.values()),
+            "parameters": sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                               for t in saved if t.untyped_storage().data_ptr() in params}.values()),
+            "per_tensor": sum(t.untyped_storage().nbytes() for t in acts), "elements": sum(views.values()),
+            "tensors": len(acts)}
+
+
+_NO_COUNTER = (SavedActivations, "_pack", "your code used zerokit.activations.SavedActivations: the exercise is to "
+               "count the saved tensors yourself, with torch.autograd.graph.saved_tensors_hooks")
+
+
+def _count_case(rank, world_size, fn, which):
+    rows = []
+    for label, module, inputs in _layers(which):
+        want = reference_saved_bytes(module, *inputs)
+        with refusing(_NO_COUNTER):
+            got = fn(module, *inputs)
+        if isinstance(got, bool) or not isinstance(got, (int, float)) or got != got:
+            raise AssertionError(f"saved_activation_bytes({label}) returned {got!r}: return the number of bytes (an int)")
+        if got != want["bytes"]:
+            raise AssertionError(_count_hint(label, got, want))
+        rows.append((label, int(got)))
+    return rows
+
+
+def _count_hint(label, got, want):
+    said = f"{label}: you counted {got:g} bytes, autograd saved {want['bytes']} bytes of activations"
+    if want["parameters"] and got == want["bytes"] + want["parameters"]:
+        return (f"{said}; the difference, {want['parameters']} bytes, is the layer's weights, which it saves too: "
+                "they are model state, not activations; leave out storages that back a parameter")
+    if got == want["per_tensor"]:
+        return (f"{said}; it saved {want['tensors']} tensors, some of them views of one storage, and you counted each "
+                "view's storage every time: a storage costs its bytes once (key it by untyped_storage().data_ptr())")
+    if got == want["elements"]:
+        return (f"{said}; you counted the elements of the saved views, but a view of part of a tensor keeps its "
+                "whole storage alive: count untyped_storage().nbytes()")
+    return f"{said} ({want['tensors']} tensors saved, parameters left out, each storage once)"
+
+
+def _check_counter(fn, which, what, timeout):
+    __tracebackhide__ = True
+    if not callable(fn):
+        raise CheckFailed(f"expected your function saved_activation_bytes, got {type(fn).__name__}")
+    return run_on_ranks(_count_case, 1, args=(fn, which), what=what, timeout=timeout)[0]
+
+
+def check_saved_bytes(fn, timeout=60.0):
+    """The count for layers whose saved tensors each have a storage of their own: the saved
+    inputs, outputs and statistics, the saved weights left out."""
+    __tracebackhide__ = True
+    rows = _check_counter(fn, "plain", f"{getattr(fn, '__name__', 'your function')}", timeout)
+    passed("saved_activation_bytes counts what autograd saves, weights left out: "
+           + "; ".join(f"{label} {n} B" for label, n in rows))
+
+
+def check_saved_views(fn, timeout=60.0):
+    """The count where saved tensors share storages: views of one storage counted once, and a
+    view of part of a storage counted as the whole storage it keeps alive."""
+    __tracebackhide__ = True
+    rows = _check_counter(fn, "views", f"{getattr(fn, '__name__', 'your function')}", timeout)
+    passed("saved_activation_bytes counts each storage once, and all of it: "
+           + "; ".join(f"{label} {n} B" for label, n in rows))
+
+
+# ---------------------------------------------------------------------------------------
+# exercise 2: recomputation under ZeRO-3
+
+MODEL = "transformer"
+HYPER = dict(lr=1e-2, weight_decay=0.1, eps=1e-6)  # eps 1e-6: see zerokit.grading.lesson05
+PER_RANK = 2
+STEPS = 3
+PRE, POST = ("_pre_forward", "_pre_recompute"), ("_post_forward", "_post_recompute")
+_ZEROKIT = {name: ZeRO3Adam.__dict__[name] for name in PRE + POST}  # taken before any check refuses them
+_REFUSE_RECOMPUTE = [
+    (ZeRO3Adam, name, f"your hooks called zerokit.ZeRO3Adam.{name}, zerokit's own handling of a recomputation: "
+     "write what your hook does inside backward yourself") for name in ("_pre_recompute", "_post_recompute")]
+
+
+def _whole_batch(net, step, model_name, world_size):
+    x, y = global_batch(model_name, step, world_size * PER_RANK)
+    model_loss(model_name, net(x), y).backward()
+
+
+def _graded(cls, graded):
+    """cls with zerokit's version of the hook not graded here, and a log of the gathers that
+    start and the buckets sent."""
+    keep = POST if graded == "pre" else PRE
+    body = {name: _ZEROKIT[name] for name in keep}
+
+    def _start_gather(self, bi):
+        starting = self._full[bi] is None and bi not in self._gathering
+        ShardedParameters._start_gather(self, bi)  # lesson 05's mechanics (zerokit's)
+        if starting:
+            self.gather_log.append((in_backward(), bi))
+
+    def _send(self, bi):
+        self.send_log.append(bi)
+        ZeRO3Adam._send(self, bi)
+
+    body.update(_start_gather=_start_gather, _send=_send)
+    return type(cls.__name__, (cls,), body)
+
+
+def _validate_hooks(cls):
+    check_class(cls, "your class (RecomputingZeRO3)", base=ZeRO3Adam,
+                base_hint="keep the scaffold's base, zerokit.ZeRO3Adam", methods=("_pre_forward", "_post_forward"),
+                written_in=(ZeRO3Adam,))
+
+
+def _setup(cls, graded):
+    model = build_model(MODEL)
+    opt = _graded(cls, graded)(model, **HYPER)
+    opt.gather_log, opt.send_log = [], []
+    checkpoint_modules(model.blocks)
+    names = {p: n for n, p in model.named_parameters()}
+    return model, opt, names
+
+
+def _is_shape_error(exc):
+    return isinstance(exc, RuntimeError) and any(w in str(exc) for w in (
+        "must be 2-D", "shape", "size", "storage of size 0", "mat1", "normalized_shape", "out of bounds"))
+
+
+def _train_step(model, opt, step, rank, world_size):
+    x, y = global_batch(MODEL, step, world_size * PER_RANK)
+    x, y = x[rank * PER_RANK:(rank + 1) * PER_RANK], y[rank * PER_RANK:(rank + 1) * PER_RANK]
+    try:
+        loss = model_loss(MODEL, model(x), y)
+    except RuntimeError as exc:
+        if _is_shape_error(exc):
+            raise AssertionError(f"step {step + 1}: forward failed ({str(exc).splitlines()[0]}): a unit ran with "
+                                 "empty parameters: in forward, _pre_forward gathers the unit") from None
+        raise
+    try:
+        loss.backward()
+    except RuntimeError as exc:
+        if _is_shape_error(exc):
+            raise AssertionError(
+                f"step {step + 1}: backward failed ({str(exc).splitlines()[0]}): the recomputation of a checkpointed "
+                "block ran a unit whose parameters were freed after its forward: when backward recomputes a unit "
+                "(in_backward() is True), _pre_forward must gather it") from None
+        raise
+
+
+def _numerics_case(rank, world_size, cls, reference):
+    model, opt, names = _setup(cls, "pre")
+    with refusing(*_REFUSE_RECOMPUTE):
+        for step, record in enumerate(reference):
+            opt.gather_log.clear()
+            _train_step(model, opt, step, rank, world_size)
+            in_bwd = [bi for backward, bi in opt.gather_log if backward]
+            twice = sorted({bi for bi in in_bwd if in_bwd.count(bi) > 1})
+            if twice:
+                bi = twice[0]
+                raise AssertionError(
+                    f"step {step + 1}: in backward, {bucket_label(bi, opt.buckets[bi], names)} was gathered twice: "
+                    "for its own backward, and again by the recomputation of a block computed before it, after its "
+                    "backward was over; a recomputation runs the block's units in forward order, but the unit after "
+                    "them has had its backward already: in backward, gather the unit and prefetch nothing")
+            opt.step()
+            assert_adam_shards(opt.shards, opt.buckets, record, names, f"after step {step + 1}")
+            with opt.gathered():
+                for n, p in model.named_parameters():
+                    assert_close(p.detach(), record["params"][n], f"after step {step + 1}: {n}", atol=1e-5, rtol=1e-4)
+            opt.zero_grad()
+    return len(opt.buckets)
+
+
+def _memory_case(rank, world_size, cls):
+    gc.collect()
+    before = census()["total"]
+    model, opt, names = _setup(cls, "post")
+    problems, peak = [], [0]
+    units = {m: n or "(root)" for n, m in model.named_modules()}
+    shard_bytes = 4 * sum(b.shard_numel for b in opt.buckets)
+
+    def post(module, args, output, u):
+        if in_backward():
+            return
+        full = [names[p] for bi in opt._buckets_of_unit[u] for p in opt.buckets[bi].params if p.numel()]
+        if u != 0 and full and not problems:
+            problems.append(f"right after {units[module]}'s forward, {full[0]} still held its full weights: free "
+                            "every unit after its forward, also inside a checkpointed block; backward's "
+                            "recomputation gathers it again when it needs it")
+        live = census(model, opt, scan=False)["parameters"]
+        peak[0] = max(peak[0], live)
+
+    for u, unit in enumerate(opt.units):  # after the optimizer's hooks: they see what its hook left
+        unit.register_forward_hook(lambda m, a, o, u=u: post(m, a, o, u))
+    layers = {f"blocks.{i}": blk for i, blk in enumerate(model.blocks)}
+    with refusing(*_REFUSE_RECOMPUTE):
+        for step in range(2):
+            with SavedActivations(model, layers) as acts:
+                _train_step(model, opt, step, rank, world_size)
+            if problems:
+                raise AssertionError(f"step {step + 1}: {problems[0]}")
+            opt.step()
+            opt.zero_grad()
+            kept = [n for n, p in model.named_parameters() if p.requires_grad and p.numel()]
+            if kept:
+                raise AssertionError(f"after step {step + 1}, {kept[0]} is full: between steps every parameter must "
+                                     "be empty, only this rank's shard kept")
+    block_input = 4 * PER_RANK * model.seq_len * model.blocks[0].norm1.normalized_shape[0]
+    saved = [acts.per_layer[n] for n in layers]
+    if any(s != block_input for s in saved):
+        raise AssertionError(f"each checkpointed block saved {saved} bytes; its input alone is {block_input}")
+    gc.collect()
+    grown = census(model, opt)["total"] - before
+    psi = sum(b.numel for b in opt.buckets)
+    if grown > 3 * shard_bytes + max(2048, psi):
+        raise AssertionError(f"between steps this rank holds {grown} bytes of model state; its shards with Adam's m "
+                             f"and v are {3 * shard_bytes}: something keeps full-size buffers alive")
+    sizes = sorted((4 * b.padded_numel for b in opt.buckets), reverse=True)
+    bound = shard_bytes + sum(sizes[:2])
+    if peak[0] > bound:
+        raise AssertionError(f"inside forward this rank held up to {peak[0]} bytes of parameters; its shards and two "
+                             f"units (the one computing, the one prefetched) are at most {bound}; a full copy is "
+                             f"{4 * psi}: units are gathered and not freed")
+    return {"peak": peak[0], "bound": bound, "psi": psi, "saved": saved, "block_input": block_input}
+
+
+def _traffic_case(rank, world_size, cls):
+    model, opt, names = _setup(cls, "post")
+    rows = []
+    with refusing(*_REFUSE_RECOMPUTE):
+        for step in range(2):
+            opt.gather_log.clear(), opt.send_log.clear()
+            with CommCounter() as comm:
+                _train_step(model, opt, step, rank, world_size)
+            sends = [opt.send_log.count(bi) for bi in range(len(opt.buckets))]
+            if comm.count("reduce_scatter") != len(opt.buckets) or any(n != 1 for n in sends):
+                bi = max(range(len(sends)), key=sends.__getitem__) if max(sends) > 1 else sends.index(min(sends))
+                raise AssertionError(
+                    f"step {step + 1}: backward made {comm.count('reduce_scatter')} reduce-scatters for "
+                    f"{len(opt.buckets)} buckets; {bucket_label(bi, opt.buckets[bi], names)} was sent {sends[bi]} "
+                    "times: a bucket is reduce-scattered once, when its gradients are in (ZeRO-2's hook); the end of "
+                    "a recomputed forward sends nothing")
+            gathers = [[bi for _, bi in opt.gather_log].count(bi) for bi in range(len(opt.buckets))]
+            if any(n > 2 for n in gathers):
+                bi = max(range(len(gathers)), key=gathers.__getitem__)
+                raise AssertionError(
+                    f"step {step + 1}: {bucket_label(bi, opt.buckets[bi], names)} was all-gathered {gathers[bi]} "
+                    "times in one step, at most 2 (forward, backward): freed at the end of its recomputation, it "
+                    "had to be gathered again for the backward that follows; inside backward, keep the unit "
+                    "gathered after its forward (_send frees it once its gradients are sent)")
+            opt.step()
+            opt.zero_grad()
+            rows.append({"gathers": comm.volume("all_gather"), "reduce_scatters": comm.volume("reduce_scatter")})
+    return {"rows": rows, "psi": sum(b.numel for b in opt.buckets)}
+
+
+def check_recompute(cls, world_size=2, timeout=60.0):
+    """_pre_forward under recomputation: checkpointed blocks train exactly like AdamW on one
+    process (the recomputation ran on full parameters), and no unit is gathered twice in backward."""
+    __tracebackhide__ = True
+    _validate_hooks(cls)
+    ref = adamw_reference(MODEL, STEPS, HYPER, _whole_batch, (MODEL, world_size), timeout=timeout)
+    n = run_on_ranks(_numerics_case, world_size, args=(cls, ref), what=f"{cls.__name__} on {MODEL}",
+                     timeout=timeout)[0]
+    passed(f"{cls.__name__} with checkpointed blocks matches torch.optim.AdamW on {world_size} ranks ({MODEL}, "
+           f"{n} units, most inside the blocks): weights, m and v after each of {STEPS} steps; the recomputation "
+           "found its units full and gathered nothing else")
+
+
+def check_recompute_memory(cls, world_size=2, timeout=60.0):
+    """_post_forward in forward: every unit freed right after its forward although its block is
+    checkpointed; parameters empty and model state 12 Psi/N at rest; each block keeps its input only."""
+    __tracebackhide__ = True
+    _validate_hooks(cls)
+    r = run_on_ranks(_memory_case, world_size, args=(cls,), what=f"{cls.__name__} on {MODEL}", timeout=timeout)[0]
+    passed(f"{cls.__name__} frees every unit after its forward with checkpointed blocks on {world_size} ranks "
+           f"({MODEL}, Ψ = {r['psi']}): parameter bytes inside forward at most {r['peak']} (bound {r['bound']}), "
+           f"each block saved {r['block_input']} bytes, its input")
+
+
+def check_recompute_traffic(cls, world_size=2, timeout=60.0):
+    """_post_forward in a recomputation: each bucket reduce-scattered once and all-gathered at
+    most twice per step: the recomputation costs no communication."""
+    __tracebackhide__ = True
+    _validate_hooks(cls)
+    r = run_on_ranks(_traffic_case, world_size, args=(cls,), what=f"{cls.__name__} on {MODEL}", timeout=timeout)[0]
+    last = r["rows"][-1]
+    passed(f"{cls.__name__} with checkpointed blocks communicates {last['gathers']} (all-gather) + "
+           f"{last['reduce_scatters']} (reduce-scatter) = {(last['gathers'] + last['reduce_scatters']) / r['psi']:.2f}Ψ "
+           f"per step on {world_size} ranks ({MODEL}, Ψ = {r['psi']}): no more than without recomputation")
+
+
+# ---------------------------------------------------------------------------------------
+# exercise 3: the disk-offloaded Adam step
+
+OFFLOAD_HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
+_REFUSE_OFFLOAD = [(DiskPlace, "after_chunk", "your code used zerokit's offloaded optimizer (DiskPlace): write the "
+                    "chunked step yourself"),
+                   (ShardedAdamState, "update", "your code used zerokit's ShardedAdamState.update: write the chunked "
+                    "step yourself")]
+
+
+def _shard_data(rank, numel, steps):
+    g = torch.Generator().manual_seed(800 + rank)
+    return torch.randn(numel, generator=g), [torch.randn(numel, generator=g) for _ in range(steps)]
+
+
+def _files(folder, numel, init, prefix=""):
+    return [DiskTensor(os.path.join(folder, f"{prefix}{name}.f32"), numel, init=t)
+            for name, t in (("master", init), ("exp_avg", None), ("exp_avg_sq", None))]
+
+
+def _offload_numerics_case(rank, world_size, fn, numel, chunk, steps):
+    weights, grads = _shard_data(rank, numel, steps)
+    expected = []
+    with torch_adam_allowed():  # the reference, before any of the student's code runs here
+        p = torch.nn.Parameter(weights.clone())
+        h = OFFLOAD_HYPER
+        ref = torch.optim.AdamW([p], lr=h["lr"], betas=(h["beta1"], h["beta2"]), eps=h["eps"],
+                                weight_decay=h["weight_decay"], foreach=False)
+        for g in grads:
+            p.grad = g.clone()
+            ref.step()
+            s = ref.state[p]
+            expected.append((p.detach().clone(), s["exp_avg"].clone(), s["exp_avg_sq"].clone()))
+    with tempfile.TemporaryDirectory(prefix="lesson08-") as folder:
+        master, m, v = _files(folder, numel, weights)
+        half = weights.to(torch.bfloat16)
+        with refusing(*_REFUSE_OFFLOAD):
+            for step, (g, (w, em, ev)) in enumerate(zip(grads, expected)):
+                fn(master, m, v, g, half, step + 1, chunk_numel=chunk, **OFFLOAD_HYPER)
+                when = f"after step {step + 1}"
+                got_m, got_v = m.read(), v.read()
+                if not got_m.any():
+                    raise AssertionError(f"{when}: m in its file is still all zeros: the step updated a copy of the "
+                                         "chunk (clone, .read(), torch.tensor(...)), not the view of the mapping "
+                                         "(exp_avg[a:b] is a view: update it in place)")
+                assert_close(got_m, em, f"{when}: m (exp_avg) read back from its file", atol=1e-7, rtol=1e-5)
+                assert_close(got_v, ev, f"{when}: v (exp_avg_sq) read back from its file", atol=1e-9, rtol=1e-4)
+                assert_close(master.read(), w, f"{when}: the fp32 master read back from its file", atol=1e-6, rtol=1e-5)
+                if torch.equal(half, weights.to(torch.bfloat16)):
+                    raise AssertionError(f"{when}: `half`, the 16-bit weights the model computes with, did not change: "
+                                         "copy each updated chunk of the master into it")
+                assert_close(half, w.to(torch.bfloat16), f"{when}: the 16-bit weights (half)")
+        for t in (master, m, v):
+            t.close()
+    return numel
+
+
+def _steady_malloc():
+    """glibc: every block of 128 KiB or more mapped alone and returned when freed, so resident
+    memory follows the live tensors (see zerokit.offload.steady_malloc; repeated here so that
+    the check measures with its own code)."""
+    ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)
+
+
+def _rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _high_water_mark():
+    with open("/proc/self/status") as f:
+        return int(re.search(r"VmHWM:\s+(\d+) kB", f.read()).group(1)) * 1024
+
+
+def _offload_memory_case(rank, world_size, fn, numel, chunk):
+    _steady_malloc()
+    with tempfile.TemporaryDirectory(prefix="lesson08-") as folder, refusing(*_REFUSE_OFFLOAD):
+        # a first call on a small shard: what a process allocates once (torch's first use of these
+        # operations, the mapping code) is not the step's
+        small, (small_grad,) = _shard_data(rank, 4 * chunk, 1)
+        files = _files(folder, 4 * chunk, small)
+        fn(*files, small_grad, small.to(torch.bfloat16), 1, chunk_numel=chunk, **OFFLOAD_HYPER)
+        for t in files:
+            t.close()
+    weights, (grad,) = _shard_data(rank, numel, 1)
+    with tempfile.TemporaryDirectory(prefix="lesson08-") as folder:
+        master, m, v = _files(folder, numel, weights)
+        half = weights.to(torch.bfloat16)
+        before = half.clone()
+        gc.collect()
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # the kernel's peak resident memory starts again from now
+        start = _rss()
+        with refusing(*_REFUSE_OFFLOAD):
+            fn(master, m, v, grad, half, 1, chunk_numel=chunk, **OFFLOAD_HYPER)
+        rise = _high_water_mark() - start
+        changed = not torch.equal(half, before)
+        for t in (master, m, v):
+            t.close()
+    state = 3 * 4 * numel
+    bound = max(8 * MiB, 16 * 4 * chunk)
+    if not changed:
+        raise AssertionError("your step left the weights (half) unchanged: there is no step to measure")
+    if rise > bound:
+        raise AssertionError(
+            f"during your step this rank's resident memory rose by {rise / MiB:.1f} MiB; the state on disk is "
+            f"{state / MiB:.0f} MiB (master, m, v), a chunk of the three {3 * 4 * chunk / MiB:.2f} MiB, and the step may "
+            f"use {bound / MiB:.0f} MiB: the state was brought into memory, whole (one chunk of everything, or a "
+            "copy of a whole tensor) or chunk after chunk without release(a, b) giving the pages back")
+    return {"rise": rise, "state": state, "bound": bound}
+
+
+def _check_step_fn(fn):
+    if not callable(fn):
+        raise CheckFailed(f"expected your function disk_adam_step, got {type(fn).__name__}")
+
+
+def check_offload_numerics(fn, world_size=2, numel=3001, chunk_numel=512, steps=3, timeout=60.0):
+    """disk_adam_step against torch.optim.AdamW, each rank on its own shard: the master, m and v
+    in their files and the 16-bit weights after every step."""
+    __tracebackhide__ = True
+    _check_step_fn(fn)
+    run_on_ranks(_offload_numerics_case, world_size, args=(fn, numel, chunk_numel, steps),
+                 what=f"{getattr(fn, '__name__', 'your function')}", timeout=timeout)
+    passed(f"{getattr(fn, '__name__', 'your step')} matches torch.optim.AdamW on {world_size} ranks ({numel} elements "
+           f"per shard, chunks of {chunk_numel}): master, m and v in their files and the 16-bit weights, {steps} steps")
+
+
+def check_offload_memory(fn, world_size=2, numel=4 * 2**20, chunk_numel=2**16, timeout=90.0):
+    """The peak resident memory of a rank during disk_adam_step on a large shard rises by a few
+    chunks, not by the state on disk."""
+    __tracebackhide__ = True
+    _check_step_fn(fn)
+    res = run_on_ranks(_offload_memory_case, world_size, args=(fn, numel, chunk_numel),
+                       what=f"{getattr(fn, '__name__', 'your function')}", timeout=timeout)
+    worst = max(r["rise"] for r in res)
+    passed(f"{getattr(fn, '__name__', 'your step')} streams the state: resident memory rose by at most "
+           f"{worst / MiB:.1f} MiB on {world_size} ranks, for {res[0]['state'] / MiB:.0f} MiB of state on disk per rank "
+           f"(bound {res[0]['bound'] / MiB:.0f} MiB)")
