@@ -167,13 +167,16 @@ def transformer_activation_bytes(b, s, h, a, n_layers, vocab, element_bytes=4):
 
     Outside the blocks: the embeddings keep the token ids and the positions (int64), the
     final LayerNorm its input and statistics, the output layer its input, cross-entropy
-    its log-softmax (b s vocab) and the targets.
+    its log-softmax (b s vocab) and the targets. The token ids are zerokit.models.make_batch's:
+    inputs and targets cut from one (b, s + 1) tensor, whose whole storage the embedding keeps.
     """
     e = element_bytes
     blocks = n_layers * layer_activation_bytes(b, s, h, a, e)
     embeddings = 8 * b * (s + 1) + 8 * s  # see below
     head = (e * b * s * h + 4 * 2 * b * s) + e * b * s * h  # final norm (input, mean, rstd) + output layer
-    loss = 4 * b * s * vocab + 8 * b * s + 4  # log-softmax output, targets, nll's total weight
+    # the targets: a slice of each row of the same ids, which the loss's reshape copies when
+    # b > 1 (rows sliced are not contiguous); with b = 1 they stay a view of the ids, counted above
+    loss = 4 * b * s * vocab + (8 * b * s if b > 1 else 0) + 4  # log-softmax output, targets, nll's total weight
     return {"blocks": blocks, "embeddings": embeddings, "head": head, "loss": loss,
             "total": blocks + embeddings + head + loss}
 

@@ -100,19 +100,19 @@ class HalfSin(nn.Module):
         return torch.sin(x[:, : x.shape[1] // 2])
 
 
-def _grad_input(*shape):
-    return torch.randn(*shape).requires_grad_()  # the input of a layer deep inside a model
+def _layers(which, seed=0):
+    torch.manual_seed(8 + seed)
 
+    def _grad_input(first, *rest):  # the input of a layer deep inside a model; seed: other sizes
+        return torch.randn(first + seed, *rest).requires_grad_()
 
-def _layers(which):
-    torch.manual_seed(8)
     if which == "plain":
         return [("nn.Linear(13, 7) on a (2, 5, 13) input", nn.Linear(13, 7), (_grad_input(2, 5, 13),)),
                 ("nn.LayerNorm(13)", nn.LayerNorm(13), (_grad_input(3, 4, 13),)),
                 ("Linear -> GELU -> Linear", nn.Sequential(nn.Linear(13, 29), nn.GELU(), nn.Linear(29, 13)),
                  (_grad_input(6, 13),)),
                 ("nn.Tanh()", nn.Tanh(), (_grad_input(4, 6),)),
-                ("nn.Embedding(11, 6)", nn.Embedding(11, 6), (torch.randint(0, 11, (3, 4)),))]
+                ("nn.Embedding(11, 6)", nn.Embedding(11, 6), (torch.randint(0, 11, (3 + seed, 4)),))]
     # no parameters here: a count that includes the weights costs check_saved_bytes only
     return [("sin(x) * cos(x)", SinCos(), (_grad_input(4, 6),)),
             ("attention on q, k, v = qkv.chunk(3)", ChunkAttention(), (_grad_input(2, 3, 7, 12),)),
@@ -162,9 +162,9 @@ _NO_COUNTER = (SavedActivations, "_pack", "your code used zerokit.activations.Sa
                "count the saved tensors yourself, with torch.autograd.graph.saved_tensors_hooks")
 
 
-def _count_case(rank, world_size, fn, which):
+def _count_case(rank, world_size, fn, which, seed):
     rows = []
-    for label, module, inputs in _layers(which):
+    for label, module, inputs in _layers(which, seed):
         want = reference_saved_bytes(module, *inputs)
         with refusing(_NO_COUNTER):
             got = fn(module, *inputs)
@@ -190,27 +190,28 @@ def _count_hint(label, got, want):
     return f"{said} ({want['tensors']} tensors saved, parameters left out, each storage once)"
 
 
-def _check_counter(fn, which, what, timeout):
+def _check_counter(fn, which, seed, timeout):
     __tracebackhide__ = True
     if not callable(fn):
         raise CheckFailed(f"expected your function saved_activation_bytes, got {type(fn).__name__}")
-    return run_on_ranks(_count_case, 1, args=(fn, which), what=what, timeout=timeout)[0]
+    return run_on_ranks(_count_case, 1, args=(fn, which, seed), what=getattr(fn, "__name__", "your function"),
+                        timeout=timeout)[0]
 
 
-def check_saved_bytes(fn, timeout=60.0):
+def check_saved_bytes(fn, seed=0, timeout=60.0):
     """The count for layers whose saved tensors each have a storage of their own: the saved
     inputs, outputs and statistics, the saved weights left out."""
     __tracebackhide__ = True
-    rows = _check_counter(fn, "plain", f"{getattr(fn, '__name__', 'your function')}", timeout)
+    rows = _check_counter(fn, "plain", seed, timeout)
     passed("saved_activation_bytes counts what autograd saves, weights left out: "
            + "; ".join(f"{label} {n} B" for label, n in rows))
 
 
-def check_saved_views(fn, timeout=60.0):
+def check_saved_views(fn, seed=0, timeout=60.0):
     """The count where saved tensors share storages: views of one storage counted once, and a
     view of part of a storage counted as the whole storage it keeps alive."""
     __tracebackhide__ = True
-    rows = _check_counter(fn, "views", f"{getattr(fn, '__name__', 'your function')}", timeout)
+    rows = _check_counter(fn, "views", seed, timeout)
     passed("saved_activation_bytes counts each storage once, and all of it: "
            + "; ".join(f"{label} {n} B" for label, n in rows))
 
