@@ -25,8 +25,8 @@ import zerokit
 from conftest import run_ranks
 from zerokit.mixed_precision import MixedPrecision
 from zerokit.models import OddMLP, build_model, model_batch, model_loss
-from zerokit.offload import (DiskTensor, Offload, PeakResident, offload_place, offload_theory_bytes,
-                             resident_bytes, settled_resident_bytes, steady_malloc)
+from zerokit.memory import PeakResident, resident_bytes, settled_resident_bytes, steady_malloc
+from zerokit.offload import DiskTensor, Offload, offload_place, offload_theory_bytes
 from zerokit.reference import rank_slice
 
 MiB = 2**20

@@ -8,6 +8,8 @@ The course, one module per idea, in lesson order (each a small step from the las
     zero2            04  ZeRO-2: gradients reduce-scattered in buckets during backward
     zero3            05  ZeRO-3: ShardedParameters (gather, free) under ZeRO3Adam (the hooks)
     mixed_precision  06  16-bit compute, fp32 masters, the loss scaler, for every stage
+    activations      08  what autograd saves, counted and in closed form; recomputation
+    offload          08  the optimizer state in memory-mapped files or pinned host memory
 
 The instruments every lesson measures with: comm (collectives counted, theoretical
 volumes), memory (theory and census of model-state bytes), models (the model zoo),
@@ -22,8 +24,10 @@ from .adam import Adam, adamw_update_
 from .comm import CommCounter, theory_volume
 from .ddp import DistributedAdam
 from .launcher import LaunchError, LaunchTimeout, launch, rank_device
+from .activations import SavedActivations, checkpoint_modules
 from .memory import MemoryProbe, census, theory_bytes
 from .mixed_precision import MixedPrecision
+from .offload import Offload
 from .zero1 import ZeRO1Adam
 from .zero2 import ZeRO2Adam
 from .zero3 import ZeRO3Adam
@@ -34,4 +38,5 @@ __all__ = [
     "Adam", "adamw_update_", "DistributedAdam", "ZeRO1Adam", "ZeRO2Adam", "ZeRO3Adam",
     "launch", "rank_device", "LaunchError", "LaunchTimeout",
     "CommCounter", "theory_volume", "MemoryProbe", "census", "theory_bytes", "MixedPrecision",
+    "SavedActivations", "checkpoint_modules", "Offload",
 ]

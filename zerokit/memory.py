@@ -26,14 +26,23 @@ activations autograd saved for backward) are invisible to it; on a GPU,
 `MemoryProbe` takes a census at many points of a training step (after each module's
 forward, as gradients arrive, around the optimizer step) and keeps the peak per category,
 where it was seen, and the census right after the step (model state at rest).
+
+The process as the system sees it (lesson 08): `resident_bytes()` is the process's RSS, the
+pages it holds in RAM whatever holds them (memory-mapped files included), and `PeakResident`
+its peak inside a block, from the kernel's high-water mark; `steady_malloc()` and
+`settled_resident_bytes()` make two RSS readings differ by what is really held.
 """
 
+import ctypes
 import gc
+import mmap
+import re
 from collections import defaultdict
 
 import torch
 
-__all__ = ["CATEGORIES", "theory_bytes", "census", "MemoryProbe", "format_bytes"]
+__all__ = ["CATEGORIES", "theory_bytes", "census", "MemoryProbe", "format_bytes", "resident_bytes",
+           "settled_resident_bytes", "steady_malloc", "PeakResident"]
 
 CATEGORIES = ("parameters", "gradients", "optimizer_states", "other")
 STAGES = ("ddp", "zero1", "zero2", "zero3")
@@ -247,4 +256,77 @@ class MemoryProbe:
         self.full_sample(where="end")
         if torch.cuda.is_available() and (self.device or "").startswith("cuda"):
             self.cuda_peak = torch.cuda.max_memory_allocated()
+        return False
+
+
+# ---------------------------------------------------------------------------------------
+# the process as the operating system sees it (lesson 08): resident memory, whatever holds it
+# (tensors, memory-mapped files, the allocator's reserves). census() counts tensors; RSS
+# counts pages, which is what offloading to disk changes.
+
+
+def resident_bytes():
+    """This process's resident memory now (RSS): pages of it in RAM, mapped file pages included."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * mmap.PAGESIZE
+
+
+def steady_malloc():
+    """Make resident memory follow the live tensors: from now on glibc's malloc serves every
+    block of 128 KiB or more with a mapping of its own, returned to the system when freed.
+
+    By default glibc raises that threshold after each large free (up to 32 MiB), so later
+    blocks come from heaps it keeps after a free, and the same program's RSS differs by
+    megabytes from run to run. Call it first thing in a process that measures RSS.
+    """
+    libc = _libc()
+    m_mmap_threshold = -3  # from malloc.h; setting it also turns the dynamic threshold off
+    if not libc.mallopt(m_mmap_threshold, 128 * 1024):
+        raise RuntimeError("mallopt(M_MMAP_THRESHOLD) refused")
+
+
+def _libc():
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError as exc:
+        raise RuntimeError(f"measuring resident memory precisely needs glibc (Linux): {exc}") from None
+
+
+def settled_resident_bytes():
+    """resident_bytes() once what is garbage is gone: Python's cycles collected, and the
+    memory the C allocator keeps for reuse after a free handed back to the system
+    (glibc's malloc_trim), so that two measurements differ by what is really held."""
+    gc.collect()
+    _libc().malloc_trim(0)
+    return resident_bytes()
+
+
+def _high_water_mark():
+    with open("/proc/self/status") as f:
+        return int(re.search(r"VmHWM:\s+(\d+) kB", f.read()).group(1)) * 1024
+
+
+class PeakResident:
+    """The peak of this process's resident memory inside the `with` block, from the kernel's
+    own high-water mark (reset on entry through /proc/self/clear_refs; Linux only).
+
+        with PeakResident() as peak:
+            opt.step()
+        peak.rise   # bytes above the resident memory at entry, at the highest point
+    """
+
+    def __enter__(self):
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # resets VmHWM to the current RSS
+        except OSError as exc:
+            raise RuntimeError(f"cannot reset the peak resident memory (/proc/self/clear_refs: {exc}); "
+                               "PeakResident needs Linux") from None
+        self.start = resident_bytes()
+        return self
+
+    def __exit__(self, *exc):
+        self.peak = _high_water_mark()
+        self.end = resident_bytes()
+        self.rise = self.peak - self.start
         return False

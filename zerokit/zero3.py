@@ -31,6 +31,10 @@ and its full parameters: `_start_gather`, `_finish_gather`, `_free`); `ZeRO3Adam
 when (the forward and backward hooks, prefetching). Lines marked "beyond the exercise"
 are what the lesson's scaffold leaves out.
 
+Lesson 08: a forward that backward recomputes (activation checkpointing) runs these hooks
+again inside backward; `_pre_recompute` and `_post_recompute` (the last part of the file) are
+what they do then, and under `no_sync()` a unit is freed once its gradients are in.
+
 Mixed precision (`precision=`, lesson 06): the parameters are sharded like the optimizer
 state, so the fp32 master shard can itself be the parameter storage at rest; it is cast to
 16 bits just before each all-gather, and no separate 16-bit shard is kept (as in PyTorch's
