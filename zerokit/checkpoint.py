@@ -45,7 +45,8 @@ from .checkpoint_state import (TENSORS, apply_description, describe, finish_load
 from .zero3 import ShardedParameters
 
 __all__ = ["save", "load", "consolidate", "stream_load", "placeholders", "save_shards", "shard_reads", "covering",
-           "tensor_offset", "read_metadata", "CheckpointError", "FORMAT", "VERSION", "TENSORS"]
+           "tensor_offset", "read_metadata", "read_parameter", "read_replicated", "CheckpointError", "FORMAT",
+           "VERSION", "TENSORS"]
 
 FORMAT, VERSION = "zerokit-checkpoint", 1
 
@@ -295,22 +296,36 @@ def consolidate(path):
     meta = read_metadata(path)
     state = {}
     with Reader(path) as reader:
-        for bi, bucket in enumerate(meta["buckets"]):
-            size, at = bucket["shard_numel"], tensor_offset(meta, bi, "weights")
+        for bucket in meta["buckets"]:
             for p in bucket["params"]:
-                numel = math.prod(p["shape"])
-                full = torch.empty(numel, dtype=torch.float32)
-                for r, lo, hi in covering(p["offset"], p["offset"] + numel, size):  # the padding is never read
-                    reader.read(rank_file(r), at + 4 * (lo - r * size), full[lo - p["offset"]:hi - p["offset"]])
-                state[p["name"]] = full.view(p["shape"])
+                state[p["name"]] = read_parameter(reader, meta, p["name"])
         for e in meta.get("replicated", []):
-            t = torch.empty(e["shape"], dtype=getattr(torch, e["dtype"]))
-            reader.read(REPLICATED, e["offset"], t)
-            state[e["name"]] = t.float() if t.is_floating_point() else t
+            state[e["name"]] = read_replicated(reader, e)
     for alias, name in meta.get("aliases", {}).items():
         state[alias] = state[name]  # the same tensor, not a copy: a tied weight is one weight
     order = meta.get("keys") or list(state)
     return {k: state[k] for k in order}
+
+
+def read_parameter(reader, meta, name, kind="weights"):
+    """The whole parameter `name` (its weights, exp_avg or exp_avg_sq) in fp32 and in its shape,
+    read piece by piece from the rank files that hold it; the padding is never read."""
+    for bi, bucket in enumerate(meta["buckets"]):
+        for p in bucket["params"]:
+            if p["name"] == name:
+                size, at, numel = bucket["shard_numel"], tensor_offset(meta, bi, kind), math.prod(p["shape"])
+                full = torch.empty(numel, dtype=torch.float32)
+                for r, lo, hi in covering(p["offset"], p["offset"] + numel, size):
+                    reader.read(rank_file(r), at + 4 * (lo - r * size), full[lo - p["offset"]:hi - p["offset"]])
+                return full.view(p["shape"])
+    raise KeyError(f"no trained parameter {name} in the checkpoint")
+
+
+def read_replicated(reader, entry):
+    """A frozen parameter or buffer, whole (floating point ones in fp32)."""
+    t = torch.empty(entry["shape"], dtype=getattr(torch, entry["dtype"]))
+    reader.read(REPLICATED, entry["offset"], t)
+    return t.float() if t.is_floating_point() else t
 
 
 # ---------------------------------------------------------------------------------------
