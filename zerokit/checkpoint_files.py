@@ -63,6 +63,7 @@ def write_tensors(path, tensors):
                 for a in range(0, flat.numel(), CHUNK):
                     f.write(memoryview(flat[a:a + CHUNK].cpu().numpy()))
             written += t.numel() * t.element_size()
+            del t  # before the generator makes the next one: one at a time
         f.flush()
         os.fsync(f.fileno())
     return written
