@@ -1,7 +1,8 @@
 """zerokit: the reference package of "ZeRO from Scratch".
 
 One module per idea, in lesson order: adam (01), ddp (02), flat + zero1 (03), zero2 (04),
-zero3 (05), mixed_precision (06); launch, comm and memory are the tools every lesson uses.
+zero3 (05), mixed_precision (06), checkpoint (07: zerokit.checkpoint.save / load / consolidate,
+on the checkpoint_* modules beside it); launch, comm and memory are the tools every lesson uses.
 """
 
 from .adam import Adam, adamw_update_
@@ -13,6 +14,7 @@ from .mixed_precision import MixedPrecision
 from .zero1 import ZeRO1Adam
 from .zero2 import ZeRO2Adam
 from .zero3 import ZeRO3Adam
+from . import checkpoint  # noqa: E402  (after the stages it saves: zerokit.checkpoint.save(path, model, opt))
 
 __version__ = "0.1.0"
 

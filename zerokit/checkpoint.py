@@ -36,13 +36,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from .checkpoint_files import (COMPLETE, METADATA, REPLICATED, CheckpointError, Reader, agree, commit,
                                partial_dir, rank_file, read_json, write_json, write_tensors)
-from .checkpoint_state import (TENSORS, apply_description, describe, finish_load, group_hyperparameters,
-                               parameter_names, replicated, saved_shards, set_steps, stage_of, targets)
-from .zero3 import ShardedParameters
+from .checkpoint_state import (TENSORS, apply_description, check_same_model, describe, finish_load,
+                               group_hyperparameters, load_replicated, parameter_names, replicated, saved_shards,
+                               set_steps, stage_of, targets)
+from .checkpoint_stream import placeholders, stream_load
 
 __all__ = ["save", "load", "consolidate", "stream_load", "placeholders", "save_shards", "shard_reads", "covering",
            "tensor_offset", "read_metadata", "read_parameter", "read_replicated", "CheckpointError", "FORMAT",
@@ -190,10 +190,10 @@ def load(path, model, opt, *, reads=None):
 
     def check():
         meta = read_metadata(path)
-        _check_same_model(meta, model, _trained_shapes(opt, names))
+        check_same_model(meta, model, opt)
         group_hyperparameters(model, opt, meta.get("param_groups") or [])  # raises if the groups differ
         if reads is not None:
-            unmatched = [i for i, sh in enumerate(_shards(opt)) if _saved_bucket(meta, sh, names) is None]
+            unmatched = [i for i, sh in enumerate(_state_shards(opt)) if _saved_bucket(meta, sh, names) is None]
             if stage_of(opt) == "ddp" or unmatched:
                 raise ValueError("whole-shard reads need every bucket to hold the same parameters as a saved one")
         return meta
@@ -202,38 +202,14 @@ def load(path, model, opt, *, reads=None):
     with torch.no_grad(), Reader(path) as reader:  # from here on nothing can be refused
         for name, offset, dest in _plan(meta, model, opt, rank, world, reads or shard_reads):
             reader.read(name, offset, dest)
-        _load_replicated(meta, model, reader)
+        load_replicated(meta, model, reader)
     set_steps(model, opt, {p["name"]: p["step"] for b in meta["buckets"] for p in b["params"]})
     apply_description(meta, model, opt)
     finish_load(opt)
 
 
-def _shards(opt):
+def _state_shards(opt):
     return [] if stage_of(opt) == "ddp" else opt.state_shards()
-
-
-def _trained_shapes(opt, names):
-    """{name: shape} of what opt trains (ZeRO-3's parameters are empty at rest: their buckets know)."""
-    if stage_of(opt) == "ddp":
-        return {names[p]: p.shape for g in opt.param_groups for p in g["params"] if p.requires_grad}
-    return {names[p]: shape for sh in opt.state_shards() for p, shape in zip(sh.bucket.params, sh.bucket.shapes)}
-
-
-def _check_same_model(meta, model, want):
-    """ValueError naming the first difference between the checkpoint and this model and optimizer."""
-    saved = {p["name"]: p["shape"] for b in meta["buckets"] for p in b["params"]}
-    if saved.keys() != want.keys():
-        extra, missing = sorted(saved.keys() - want.keys()), sorted(want.keys() - saved.keys())
-        raise ValueError(f"another model? trained parameters only in the checkpoint: {extra[:4]}; only here: {missing[:4]}")
-    for name, shape in want.items():
-        if list(shape) != saved[name]:
-            raise ValueError(f"another model? {name} has shape {list(shape)} here and {saved[name]} in the checkpoint")
-    mine = {n: list(t.shape) for n, t in replicated(model, want.keys())}
-    theirs = {e["name"]: e["shape"] for e in meta.get("replicated", [])}
-    differ = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
-    if differ:
-        raise ValueError(f"another model? frozen parameters or buffers differ: {differ[:4]} "
-                         f"(here {[mine.get(k) for k in differ[:4]]}, saved {[theirs.get(k) for k in differ[:4]]})")
 
 
 def _saved_bucket(meta, shard, names):
@@ -250,7 +226,7 @@ def _plan(meta, model, opt, rank, world, reads):
     names = parameter_names(model)
     where = {p["name"]: (bi, p["offset"]) for bi, b in enumerate(meta["buckets"]) for p in b["params"]}
     out, whole = [], set()
-    for sh in _shards(opt):  # a bucket the checkpoint has as it is: whole shards, the lesson's map
+    for sh in _state_shards(opt):  # a bucket the checkpoint has as it is: whole shards, the lesson's map
         bi = _saved_bucket(meta, sh, names)
         if bi is not None:
             whole.add(id(sh))
@@ -269,20 +245,6 @@ def _plan(meta, model, opt, rank, world, reads):
                 dest = t.views[kind][lo - offset - t.lo:hi - offset - t.lo]
                 out.append((rank_file(r), tensor_offset(meta, bi, kind) + 4 * (lo - r * size), dest))
     return out
-
-
-def _load_replicated(meta, model, reader):
-    """Frozen parameters and buffers, whole on every rank (placeholders get their storage here)."""
-    state = model.state_dict(keep_vars=True)
-    for e in meta.get("replicated", []):
-        t = state[e["name"]]
-        saved = torch.empty(e["shape"], dtype=getattr(torch, e["dtype"]))
-        reader.read(REPLICATED, e["offset"], saved)
-        if getattr(t, "zerokit_placeholder", False):
-            t.data = saved.to(t.dtype)
-            del t.zerokit_placeholder
-        else:
-            t.data.copy_(saved)
 
 
 # ---------------------------------------------------------------------------------------
@@ -326,67 +288,3 @@ def read_replicated(reader, entry):
     t = torch.empty(entry["shape"], dtype=getattr(torch, entry["dtype"]))
     reader.read(REPLICATED, entry["offset"], t)
     return t.float() if t.is_floating_point() else t
-
-
-# ---------------------------------------------------------------------------------------
-# a model too large for one rank, from a full checkpoint
-
-
-def placeholders(model):
-    """Give a model built on the meta device CPU placeholders: every parameter and buffer becomes a
-    tensor of its shape and dtype that holds one number (a zero expanded), no memory. Then
-    ZeRO3Adam(model) allocates this rank's shards only, and stream_load (or load) fills them."""
-    made = {}
-    for module in model.modules():
-        for kind in ("_parameters", "_buffers"):
-            tensors = getattr(module, kind)
-            for name, t in list(tensors.items()):
-                if t is None or not t.is_meta:
-                    continue
-                if t not in made:
-                    empty = torch.zeros((), dtype=t.dtype).expand(t.shape)
-                    made[t] = nn.Parameter(empty, requires_grad=t.requires_grad) if kind == "_parameters" else empty
-                    made[t].zerokit_placeholder = True
-                tensors[name] = made[t]
-    return model
-
-
-def stream_load(source, model, opt):
-    """Fill a ZeRO-3 optimizer's shards from a full state_dict file (torch.save of consolidate()'s
-    result, or any plain checkpoint of the model), one unit at a time: each rank maps the file,
-    copies the pieces of one unit's parameters that its shard holds, and lets the mapping go
-    before the next unit. No rank ever holds more than its shards and one unit's pieces.
-    Adam's state starts afresh (m = v = 0, step 0); frozen parameters and buffers are read whole.
-    A collective: every rank calls it."""
-    if not isinstance(opt, ShardedParameters):
-        raise TypeError(f"stream_load fills ZeRO-3's shards; {type(opt).__name__} holds whole parameters: use load()")
-    names = parameter_names(model)
-
-    def check():
-        full = torch.load(source, mmap=True, weights_only=True, map_location="cpu")
-        shapes = {p: shape for sh in opt.state_shards() for p, shape in zip(sh.bucket.params, sh.bucket.shapes)}
-        want = {n: list(shapes.get(t, t.shape)) for n, t in model.state_dict(keep_vars=True).items()}
-        wrong = sorted(n for n in want if n not in full or list(full[n].shape) != want[n])
-        if wrong:
-            raise ValueError(f"{source} lacks {wrong[:4]} or holds them in other shapes: "
-                             f"{[list(full[n].shape) if n in full else None for n in wrong[:4]]} for {[want[n] for n in wrong[:4]]}")
-
-    agree(f"cannot stream-load {source}", check)
-    with torch.no_grad():
-        for sh in opt.state_shards():  # ZeRO-3: one bucket per unit
-            full = torch.load(source, mmap=True, weights_only=True, map_location="cpu")  # maps; reads nothing yet
-            for s in sh.bucket.segments:
-                sh.weights[s.shard_lo:s.shard_hi].copy_(full[names[sh.bucket.params[s.index]]].reshape(-1)[s.param_lo:s.param_hi])
-            sh.exp_avg.zero_(), sh.exp_avg_sq.zero_()
-            sh.steps[:] = [0] * len(sh.steps)
-            del full  # unmapped: the pages this unit touched leave the process
-        full = torch.load(source, mmap=True, weights_only=True, map_location="cpu")
-        for name, t in replicated(model, _trained_shapes(opt, names)):
-            if getattr(t, "zerokit_placeholder", False):
-                t.data = full[name].to(t.dtype, copy=True)  # a copy: the mapping must not stay alive
-                del t.zerokit_placeholder
-            else:
-                t.data.copy_(full[name])
-        del full
-    opt.loaded()
-

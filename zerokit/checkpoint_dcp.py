@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 
 from .checkpoint import FORMAT, VERSION, read_metadata, read_parameter, read_replicated
 from .checkpoint_files import METADATA, REPLICATED, Reader, commit, partial_dir, rank_file, write_json, write_tensors
-from .checkpoint_state import TENSORS, aliases, parameter_names
+from .checkpoint_state import TENSORS, aliases
 
 __all__ = ["to_dcp", "from_dcp"]
 

@@ -16,14 +16,16 @@ from dataclasses import dataclass
 
 import torch
 
+from .checkpoint_files import REPLICATED
 from .ddp import DistributedAdam
 from .flat import FlatBucket
 from .zero1 import StateShard, ZeRO1Adam
 from .zero2 import ZeRO2Adam
 from .zero3 import ShardedParameters
 
-__all__ = ["TENSORS", "HYPER", "stage_of", "saved_shards", "Target", "targets", "set_steps", "finish_load",
-           "describe", "apply_description", "aliases", "replicated", "parameter_names"]
+__all__ = ["TENSORS", "HYPER", "stage_of", "parameter_names", "saved_shards", "Target", "targets", "set_steps",
+           "finish_load", "trained_shapes", "check_same_model", "load_replicated", "describe", "apply_description",
+           "group_hyperparameters", "aliases", "replicated"]
 
 TENSORS = ("weights", "exp_avg", "exp_avg_sq")  # per bucket, in this order, in every rank file
 HYPER = ("lr", "betas", "eps", "weight_decay")
@@ -227,3 +229,47 @@ def apply_description(meta, model, opt):
     if scaler is not None and meta.get("loss_scaler"):
         s = meta["loss_scaler"]
         scaler.scale, scaler.clean_steps, scaler.skipped_steps = float(s["scale"]), s["clean_steps"], s["skipped_steps"]
+
+
+# ---------------------------------------------------------------------------------------
+# does a checkpoint fit this model and optimizer
+
+
+def trained_shapes(model, opt):
+    """{name: shape} of what opt trains (ZeRO-3's parameters are empty at rest: their buckets know)."""
+    names = parameter_names(model)
+    if stage_of(opt) == "ddp":
+        return {names[p]: p.shape for g in opt.param_groups for p in g["params"] if p.requires_grad}
+    return {names[p]: shape for sh in opt.state_shards() for p, shape in zip(sh.bucket.params, sh.bucket.shapes)}
+
+
+def check_same_model(meta, model, opt):
+    """ValueError naming the first difference between a checkpoint's metadata and this model and optimizer."""
+    want = trained_shapes(model, opt)
+    saved = {p["name"]: p["shape"] for b in meta["buckets"] for p in b["params"]}
+    if saved.keys() != want.keys():
+        extra, missing = sorted(saved.keys() - want.keys()), sorted(want.keys() - saved.keys())
+        raise ValueError(f"another model? trained parameters only in the checkpoint: {extra[:4]}; only here: {missing[:4]}")
+    for name, shape in want.items():
+        if list(shape) != saved[name]:
+            raise ValueError(f"another model? {name} has shape {list(shape)} here and {saved[name]} in the checkpoint")
+    mine = {n: list(t.shape) for n, t in replicated(model, want.keys())}
+    theirs = {e["name"]: e["shape"] for e in meta.get("replicated", [])}
+    differ = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
+    if differ:
+        raise ValueError(f"another model? frozen parameters or buffers differ: {differ[:4]} "
+                         f"(here {[mine.get(k) for k in differ[:4]]}, saved {[theirs.get(k) for k in differ[:4]]})")
+
+
+def load_replicated(meta, model, reader):
+    """Frozen parameters and buffers, whole on every rank (placeholders get their storage here)."""
+    state = model.state_dict(keep_vars=True)
+    for e in meta.get("replicated", []):
+        t = state[e["name"]]
+        saved = torch.empty(e["shape"], dtype=getattr(torch, e["dtype"]))
+        reader.read(REPLICATED, e["offset"], saved)
+        if getattr(t, "zerokit_placeholder", False):
+            t.data = saved.to(t.dtype)
+            del t.zerokit_placeholder
+        else:
+            t.data.copy_(saved)
