@@ -229,14 +229,14 @@ def _plan(meta, model, opt, rank, world, reads):
     for sh in _state_shards(opt):  # a bucket the checkpoint has as it is: whole shards, the lesson's map
         bi = _saved_bucket(meta, sh, names)
         if bi is not None:
-            whole.add(id(sh))
+            whole.add(id(sh.bucket))  # by bucket: state_shards() makes new StateShard objects at each call
             size, start = meta["buckets"][bi]["shard_numel"], rank * sh.bucket.shard_numel
             for r, lo, hi in reads(sh.bucket.numel, meta["world_size"], world, rank):
                 for kind in TENSORS:
                     dest = getattr(sh, kind)[lo - start:hi - start]
                     out.append((rank_file(r), tensor_offset(meta, bi, kind) + 4 * (lo - r * size), dest))
     for t in targets(model, opt):  # any other piece, by name: wherever its offset puts it
-        if t.shard is not None and id(t.shard) in whole:
+        if t.shard is not None and id(t.shard.bucket) in whole:
             continue
         bi, offset = where[t.name]
         size = meta["buckets"][bi]["shard_numel"]
