@@ -166,6 +166,8 @@ def read_metadata(path):
         raise CheckpointError(f"{path} is not a zerokit checkpoint (format {meta.get('format')!r})")
     if meta.get("version") != VERSION:
         raise CheckpointError(f"{path} has format version {meta.get('version')!r}; this zerokit reads version {VERSION}")
+    for problem in _inconsistencies(meta):
+        raise CheckpointError(f"{path / METADATA} does not describe a checkpoint: {problem}")
     size = 4 * len(TENSORS) * sum(b["shard_numel"] for b in meta["buckets"])
     for r in range(meta["world_size"]):
         f = path / rank_file(r)
@@ -173,6 +175,25 @@ def read_metadata(path):
             found = f"{f.stat().st_size} bytes" if f.exists() else "missing"
             raise CheckpointError(f"{f} should hold {size} bytes ({meta['world_size']} ranks' shards): {found}")
     return meta
+
+
+def _inconsistencies(meta):
+    """What in the metadata cannot be: shards that are not ceil(numel / N), parameters that overlap or
+    run past their bucket (a reader trusting them would read the wrong bytes, or none)."""
+    try:
+        world = meta["world_size"]
+        for bi, b in enumerate(meta["buckets"]):
+            if b["shard_numel"] != -(-b["numel"] // world):
+                yield f"bucket {bi} has shard_numel {b['shard_numel']}, not ceil({b['numel']} / {world})"
+            end = 0
+            for p in sorted(b["params"], key=lambda p: p["offset"]):
+                n = math.prod(p["shape"])
+                if p["offset"] < end or p["offset"] + n > b["numel"]:
+                    yield (f"bucket {bi}: {p['name']} at offset {p['offset']} with {n} elements overlaps another "
+                           f"parameter or runs past the bucket's {b['numel']} elements")
+                end = p["offset"] + n
+    except (KeyError, TypeError) as exc:
+        yield f"a field is missing or malformed ({type(exc).__name__}: {exc})"
 
 
 def load(path, model, opt, *, reads=None):

@@ -178,7 +178,7 @@ def agree(what, fn, group=None):
     except CheckpointError as exc:
         reason = str(exc)
     except Exception as exc:  # noqa: BLE001 (any failure, or the other ranks would hang)
-        reason = f"{type(exc).__name__}: {exc}"
+        reason = f"{type(exc).__name__}: {exc}" if str(exc) else f"{type(exc).__name__} (with no message)"
     reasons = [reason]
     if dist.is_initialized():
         reasons = [None] * dist.get_world_size(group)
