@@ -32,6 +32,7 @@ boundary falls anywhere, mid-row, mid-parameter; only the recorded offsets say w
 """
 
 import math
+import shutil
 from pathlib import Path
 
 import torch
@@ -127,7 +128,6 @@ def save(path, model, opt, *, save_shards=save_shards):
     def prepare():
         if rank == 0:
             if partial.exists():  # left by a save that did not finish
-                import shutil
                 shutil.rmtree(partial)
             partial.mkdir(parents=True)
 
@@ -166,7 +166,8 @@ def read_metadata(path):
         raise CheckpointError(f"{path} is not a zerokit checkpoint (format {meta.get('format')!r})")
     if meta.get("version") != VERSION:
         raise CheckpointError(f"{path} has format version {meta.get('version')!r}; this zerokit reads version {VERSION}")
-    for problem in _inconsistencies(meta):
+    problem = next(_inconsistencies(meta), None)
+    if problem:
         raise CheckpointError(f"{path / METADATA} does not describe a checkpoint: {problem}")
     size = 4 * len(TENSORS) * sum(b["shard_numel"] for b in meta["buckets"])
     for r in range(meta["world_size"]):
@@ -200,7 +201,8 @@ def load(path, model, opt, *, reads=None):
     """Load a checkpoint into `model` and `opt` on every rank (a collective), whatever world size
     and stage saved it. Everything is checked first, on every rank: a checkpoint that is
     incomplete, of another model or of an unknown version raises the same CheckpointError on
-    every rank and changes nothing.
+    every rank and changes nothing. (What cannot be checked first is the disk itself: an I/O
+    error in the middle of the reads leaves a half-loaded optimizer, to be loaded again.)
 
     reads: a whole-shard map like shard_reads (the lesson's exercise), used for every bucket;
     those must then hold the same parameters as the saved ones. By default shard_reads serves
@@ -279,9 +281,9 @@ def consolidate(path):
     meta = read_metadata(path)
     state = {}
     with Reader(path) as reader:
-        for bucket in meta["buckets"]:
+        for bi, bucket in enumerate(meta["buckets"]):
             for p in bucket["params"]:
-                state[p["name"]] = read_parameter(reader, meta, p["name"])
+                state[p["name"]] = _read_whole(reader, meta, bi, p, "weights")
         for e in meta.get("replicated", []):
             state[e["name"]] = read_replicated(reader, e)
     for alias, name in meta.get("aliases", {}).items():
@@ -296,12 +298,17 @@ def read_parameter(reader, meta, name, kind="weights"):
     for bi, bucket in enumerate(meta["buckets"]):
         for p in bucket["params"]:
             if p["name"] == name:
-                size, at, numel = bucket["shard_numel"], tensor_offset(meta, bi, kind), math.prod(p["shape"])
-                full = torch.empty(numel, dtype=torch.float32)
-                for r, lo, hi in covering(p["offset"], p["offset"] + numel, size):
-                    reader.read(rank_file(r), at + 4 * (lo - r * size), full[lo - p["offset"]:hi - p["offset"]])
-                return full.view(p["shape"])
+                return _read_whole(reader, meta, bi, p, kind)
     raise KeyError(f"no trained parameter {name} in the checkpoint")
+
+
+def _read_whole(reader, meta, bi, p, kind):
+    """Parameter entry p of bucket bi, whole: its pieces from the rank files that hold them."""
+    size, at, numel = meta["buckets"][bi]["shard_numel"], tensor_offset(meta, bi, kind), math.prod(p["shape"])
+    full = torch.empty(numel, dtype=torch.float32)
+    for r, lo, hi in covering(p["offset"], p["offset"] + numel, size):
+        reader.read(rank_file(r), at + 4 * (lo - r * size), full[lo - p["offset"]:hi - p["offset"]])
+    return full.view(p["shape"])
 
 
 def read_replicated(reader, entry):

@@ -125,12 +125,13 @@ def targets(model, opt):
     index = _flat_index(opt)
     for params in _trainable(opt):
         for p in params:
-            state = opt.state[p]
-            for k in ("exp_avg", "exp_avg_sq"):
-                state.setdefault(k, torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format))
             weights = _weights(opt, p, index[p])
             if not weights.is_contiguous():
                 raise ValueError(f"parameter {names[p]} is not contiguous: it cannot be loaded in place")
+            state = opt.state[p]
+            for k in ("exp_avg", "exp_avg_sq"):
+                if k not in state:  # never stepped: set_steps removes it again if the checkpoint agrees
+                    state[k] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
             views = {"weights": weights.view(-1), "exp_avg": state["exp_avg"].view(-1),
                      "exp_avg_sq": state["exp_avg_sq"].view(-1)}
             out.append(Target(names[p], 0, p.numel(), views))
