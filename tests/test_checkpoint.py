@@ -3,7 +3,7 @@
 | promise | test |
 |---|---|
 | each rank writes only what it owns; one metadata file; bounded memory while saving | test_each_rank_writes_only_its_own_shards |
-| exact resume: bit-identical at the same N, every stage, fp32/bf16/fp16 (scaler restored) | test_resume_is_bit_identical |
+| exact resume: bit-identical at the same N; at another N the state exact and fp32 within 1e-6; every stage, fp32/bf16/fp16 (scaler restored) | test_resume_is_bit_identical |
 | resharding N -> N' (1..4), any stage -> any stage, by names and offsets | test_reshard_any_world_size_any_stage |
 | consolidation: plain fp32 state_dict, tied once, frozen + buffers; peak measured | test_consolidate |
 | stream-load of a ZeRO-3 model unit by unit, from a meta-device model; peak measured | test_stream_load |
@@ -221,37 +221,54 @@ PRECISIONS = {"fp32": None, "bf16": zerokit.MixedPrecision("bf16"),
 RESUME_AT, RESUME_STEPS = 3, 3
 
 
+def _scaler_state(opt):
+    scaler = getattr(opt.precision, "scaler", None)
+    return None if scaler is None else (scaler.scale, scaler.clean_steps, scaler.skipped_steps)
+
+
 def _resume(rank, world, root, phase):
+    """phase: "uninterrupted", "saved" (after RESUME_AT steps), or "resumed" (load, then the rest)."""
     out = {}
     for stage in STAGES:
         for prec, precision in PRECISIONS.items():
             model = new_model("edge", seed=0 if phase != "resumed" else 7)  # resumed: the load must overwrite it
             opt = make_opt(stage, model, precision)
             path = root / f"{stage}-{prec}"
+            loaded = None
             if phase == "resumed":
                 ckpt.load(path, model, opt)
+                loaded = (held(model, opt), _scaler_state(opt))
                 train("edge", model, opt, RESUME_STEPS, RESUME_AT, rank, world)
             else:
                 train("edge", model, opt, RESUME_AT, 0, rank, world)
                 if phase == "saved":
                     ckpt.save(path, model, opt)
+                    out[stage, prec] = (held(model, opt), _scaler_state(opt))
                     continue
                 train("edge", model, opt, RESUME_STEPS, RESUME_AT, rank, world)
-            scaler = getattr(opt.precision, "scaler", None)
-            out[stage, prec] = (weights(model, opt), held(model, opt),
-                                None if scaler is None else (scaler.scale, scaler.clean_steps, scaler.skipped_steps))
+            out[stage, prec] = (weights(model, opt), held(model, opt), _scaler_state(opt), loaded)
     return out
 
 
 @pytest.mark.timeout(150)
 def test_resume_is_bit_identical(tmp_path):
     uninterrupted = run_ranks(_resume, 2, tmp_path, "uninterrupted")
-    run_ranks(_resume, 2, tmp_path, "saved")
+    saved = run_ranks(_resume, 2, tmp_path, "saved")
     resumed = run_ranks(_resume, 2, tmp_path, "resumed")
+    elsewhere = run_ranks(_resume, 3, tmp_path, "resumed")  # the same checkpoints, on 3 ranks
     reference, _, _ = adamw_reference("edge", RESUME_AT + RESUME_STEPS, BATCH, lr=LR, weight_decay=WD)
+    shapes = {n: list(p.shape) for n, p in new_model("edge").named_parameters() if p.requires_grad}
     for key in uninterrupted[0]:
+        # on 3 ranks: the state as loaded is bit for bit what the 2 ranks held, the loss scaler too
+        truth = assemble([saved[r][key][0][0] for r in range(2)], shapes)
+        for rank in range(3):
+            (pieces, steps), scaler = elsewhere[rank][key][3]
+            assert_pieces_equal(pieces, truth, f"{key} saved on 2, loaded on 3")
+            assert steps == saved[0][key][0][1] and scaler == saved[0][key][1], key
+        if key[1] == "fp32":  # and what follows differs by the sums' order only
+            assert max_diff(elsewhere[0][key][0], uninterrupted[0][key][0]) <= 1e-6, key
         for rank in range(2):
-            (w0, (p0, s0), sc0), (w1, (p1, s1), sc1) = uninterrupted[rank][key], resumed[rank][key]
+            (w0, (p0, s0), sc0, _), (w1, (p1, s1), sc1, _) = uninterrupted[rank][key], resumed[rank][key]
             assert max_diff(w0, w1) == 0.0, key  # the model every rank computes with
             for (n, lo, hi, a), (_, _, _, b) in zip(p0, p1):  # master weights, m, v
                 assert all(torch.equal(a[k], b[k]) for k in a), (key, n)

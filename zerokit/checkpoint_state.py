@@ -157,6 +157,9 @@ def set_steps(model, opt, steps):
 def finish_load(opt):
     """Make the model every rank computes with the loaded one (a collective for ZeRO)."""
     if stage_of(opt) != "ddp":
+        for sh in opt.state_shards():
+            for p in sh.bucket.params:
+                p.__dict__.pop("zerokit_placeholder", None)  # a placeholder (checkpoint_stream) has its values now
         opt.loaded()
         return
     if opt.masters is not None:  # mixed precision: round the loaded fp32 masters into the 16-bit parameters

@@ -69,10 +69,13 @@ def stream_load(source, model, opt):
         for sh in opt.state_shards():  # ZeRO-3: one bucket per unit
             full = torch.load(source, mmap=True, weights_only=True, map_location="cpu")  # maps; reads nothing yet
             for s in sh.bucket.segments:
-                sh.weights[s.shard_lo:s.shard_hi].copy_(full[names[sh.bucket.params[s.index]]].reshape(-1)[s.param_lo:s.param_hi])
+                piece = full[names[sh.bucket.params[s.index]]].reshape(-1)[s.param_lo:s.param_hi]
+                sh.weights[s.shard_lo:s.shard_hi].copy_(piece)
             sh.exp_avg.zero_(), sh.exp_avg_sq.zero_()
             sh.steps[:] = [0] * len(sh.steps)
-            del full  # unmapped: the pages this unit touched leave the process
+            for p in sh.bucket.params:
+                p.__dict__.pop("zerokit_placeholder", None)  # it has its values now (in the shards)
+            piece = full = None  # unmapped: the pages this unit touched leave the process
         full = torch.load(source, mmap=True, weights_only=True, map_location="cpu")
         for name, t in replicated(model, trained_shapes(model, opt)):
             if getattr(t, "zerokit_placeholder", False):
