@@ -14,7 +14,7 @@ from .mixed_precision import MixedPrecision
 from .zero1 import ZeRO1Adam
 from .zero2 import ZeRO2Adam
 from .zero3 import ZeRO3Adam
-from . import checkpoint  # noqa: E402  (after the stages it saves: zerokit.checkpoint.save(path, model, opt))
+from . import checkpoint  # lesson 07: zerokit.checkpoint.save / load / consolidate
 
 __version__ = "0.1.0"
 
