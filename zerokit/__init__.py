@@ -8,6 +8,7 @@ The course, one module per idea, in lesson order (each a small step from the las
     zero2            04  ZeRO-2: gradients reduce-scattered in buckets during backward
     zero3            05  ZeRO-3: ShardedParameters (gather, free) under ZeRO3Adam (the hooks)
     mixed_precision  06  16-bit compute, fp32 masters, the loss scaler, for every stage
+    checkpoint       07  sharded checkpoints: save, load on any N and stage, consolidate
 
 The instruments every lesson measures with: comm (collectives counted, theoretical
 volumes), memory (theory and census of model-state bytes), models (the model zoo),
@@ -27,6 +28,7 @@ from .mixed_precision import MixedPrecision
 from .zero1 import ZeRO1Adam
 from .zero2 import ZeRO2Adam
 from .zero3 import ZeRO3Adam
+from . import checkpoint  # lesson 07: zerokit.checkpoint.save / load / consolidate
 
 __version__ = "0.1.0"
 

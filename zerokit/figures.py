@@ -3,12 +3,13 @@
 collectives_figure()            who holds what before and after each collective
 partition_figure(world_size)    who holds what under data parallel and each ZeRO stage
 memory_bars(rows, title)        measured bytes per category beside theory
+reshard_figure(numel, n, n2)    a flat buffer saved by n ranks, loaded by n2: who reads what (lesson 07)
 """
 
 import matplotlib.pyplot as plt
 from matplotlib.patches import Rectangle
 
-__all__ = ["collectives_figure", "partition_figure", "memory_bars"]
+__all__ = ["collectives_figure", "partition_figure", "memory_bars", "reshard_figure"]
 
 _COLORS = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948"]
 _SUM = "#7f7f7f"
@@ -116,5 +117,58 @@ def memory_bars(rows, title="bytes per rank", categories=("parameters", "gradien
     ax.set_ylabel("MiB per rank")
     ax.set_title(title)
     ax.legend(frameon=False)
+    fig.tight_layout()
+    return fig
+
+
+def reshard_figure(numel, old_world, new_world, reads=None, sizes=None):
+    """A flat buffer of `numel` elements saved by old_world ranks (top) and loaded by new_world ranks
+    (bottom): each new rank's shard is filled with the pieces `reads` names, in the colour of the
+    old rank they come from; padding is hatched. `sizes`: the parameters' sizes, drawn above.
+
+    reads(numel, old_world, new_world, new_rank) -> [(old_rank, lo, hi)]; default
+    zerokit.checkpoint.shard_reads. Pass your own to see what it does.
+    """
+    if reads is None:
+        from .checkpoint import shard_reads as reads
+    s_old, s_new = -(-numel // old_world), -(-numel // new_world)
+    width = max(s_old * old_world, s_new * new_world)
+    rows = 3 if sizes else 2
+    fig, ax = plt.subplots(figsize=(11, 0.9 * rows + 0.9))
+    y = rows - 1
+    if sizes:
+        x = 0
+        for k, n in enumerate(sizes):
+            ax.add_patch(Rectangle((x, y), n, 0.7, facecolor="#dddddd", edgecolor="black", linewidth=0.8))
+            ax.text(x + n / 2, y + 0.35, f"p{k} ({n})", ha="center", va="center", fontsize=8)
+            x += n
+        ax.text(-width * 0.01, y + 0.35, "parameters", ha="right", va="center", fontsize=9)
+        y -= 1
+    for q in range(old_world):  # the saved shards
+        lo, hi = q * s_old, (q + 1) * s_old
+        real = min(hi, numel) - lo
+        if real > 0:
+            ax.add_patch(Rectangle((lo, y), real, 0.7, facecolor=_COLORS[q % len(_COLORS)], edgecolor="black"))
+        if hi > numel:
+            ax.add_patch(Rectangle((max(lo, numel), y), hi - max(lo, numel), 0.7, facecolor="white",
+                                   edgecolor="black", hatch="///"))
+        ax.text(lo + s_old / 2, y + 0.35, f"rank {q}", ha="center", va="center", fontsize=8, color="white")
+    ax.text(-width * 0.01, y + 0.35, f"saved on {old_world}", ha="right", va="center", fontsize=9)
+    y -= 1
+    for r in range(new_world):  # the new shards, filled by the reads
+        lo = r * s_new
+        ax.add_patch(Rectangle((lo, y), s_new, 0.7, facecolor="white", edgecolor="black", linewidth=1.5,
+                               hatch="///" if lo + s_new > numel else None))
+        for q, a, b in reads(numel, old_world, new_world, r):
+            ax.add_patch(Rectangle((a, y + 0.08), b - a, 0.54, facecolor=_COLORS[q % len(_COLORS)], edgecolor="black"))
+            ax.text((a + b) / 2, y + 0.35, f"{q}", ha="center", va="center", fontsize=8, color="white")
+        ax.text(lo + s_new / 2, y - 0.18, f"rank {r}: [{lo}, {min(lo + s_new, numel)})", ha="center", va="center",
+                fontsize=7)
+    ax.text(-width * 0.01, y + 0.35, f"loaded on {new_world}", ha="right", va="center", fontsize=9)
+    ax.set_xlim(-width * 0.16, width * 1.01)
+    ax.set_ylim(-0.5, rows)
+    ax.set_title(f"{numel} elements: {old_world} shards of {s_old} -> {new_world} shards of {s_new} "
+                 "(colour: the old rank each piece is read from; hatched: padding)", fontsize=10)
+    ax.axis("off")
     fig.tight_layout()
     return fig

@@ -26,6 +26,9 @@ activations autograd saved for backward) are invisible to it; on a GPU,
 `MemoryProbe` takes a census at many points of a training step (after each module's
 forward, as gradients arrive, around the optimizer step) and keeps the peak per category,
 where it was seen, and the census right after the step (model state at rest).
+`PeakRSS` measures what no census sees: the highest resident memory of the whole process
+inside a block (tensors, numpy arrays, Python bytes, file buffers alike), from the kernel's
+own high-water mark (lesson 07: the peak while saving and loading a checkpoint).
 """
 
 import gc
@@ -33,7 +36,7 @@ from collections import defaultdict
 
 import torch
 
-__all__ = ["CATEGORIES", "theory_bytes", "census", "MemoryProbe", "format_bytes"]
+__all__ = ["CATEGORIES", "theory_bytes", "census", "MemoryProbe", "PeakRSS", "format_bytes"]
 
 CATEGORIES = ("parameters", "gradients", "optimizer_states", "other")
 STAGES = ("ddp", "zero1", "zero2", "zero3")
@@ -248,3 +251,82 @@ class MemoryProbe:
         if torch.cuda.is_available() and (self.device or "").startswith("cuda"):
             self.cuda_peak = torch.cuda.max_memory_allocated()
         return False
+
+
+# ---------------------------------------------------------------------------------------
+# lesson 07: the peak of the whole process, from the kernel
+
+
+class PeakRSS:
+    """The peak resident memory of this process inside the block, above what it held on entry.
+
+        with PeakRSS() as peak:
+            zerokit.checkpoint.save(path, model, opt)
+        peak.bytes        # the highest RSS inside the block minus the RSS at its start
+
+    Linux keeps a high-water mark of every process's resident memory (VmHWM in
+    /proc/self/status) and resets it to the current RSS when "5" is written to
+    /proc/self/clear_refs: so this sees every allocation, however short-lived (a tensor, a
+    numpy array, a bytes object, a file's buffer), with no sampling. It counts a page once it
+    is touched, which is what memory costs.
+
+    One caveat makes it exact: C's malloc keeps freed memory for reuse, so an allocation inside
+    the block could reuse pages freed before it and never show. On entry, large blocks are
+    made to come from (and go back to) the kernel directly (mallopt: every allocation over
+    64 KiB is its own mapping, returned when freed), and what malloc holds unused is
+    trimmed. This setting stays for the rest of the process: use it in a measuring process
+    (a rank of zerokit.launch), not where speed matters. `bytes` is None where the kernel
+    offers no such counter (not Linux).
+    """
+
+    _configured = False
+
+    def __enter__(self):
+        self.bytes = None
+        gc.collect()
+        self._start = _prepare_peak() if self._configure() else None
+        return self
+
+    def __exit__(self, *exc):
+        if self._start is not None:
+            peak = _status_kib("VmHWM")
+            self.bytes = max(0, peak - self._start) * 1024
+        return False
+
+    @classmethod
+    def _configure(cls):
+        if cls._configured:
+            return True
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL("libc.so.6")
+            libc.mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD: allocations above 64 KiB are mappings of their own
+            libc.mallopt(-1, 1 << 16)  # M_TRIM_THRESHOLD: give freed memory back to the kernel
+            cls._libc = libc
+            cls._configured = _status_kib("VmHWM") is not None
+        except (OSError, AttributeError):
+            cls._configured = False
+        return cls._configured
+
+
+def _status_kib(field):
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def _prepare_peak():
+    """Trim what malloc holds, reset the kernel's high-water mark; the RSS now (KiB), or None."""
+    PeakRSS._libc.malloc_trim(0)
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS
+    except OSError:
+        return None
+    return _status_kib("VmRSS")

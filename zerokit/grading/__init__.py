@@ -36,6 +36,14 @@ the student's code, under the same names, plus what only its lesson has:
                           check_scale_schedule     backoff and growth
                           check_numerics           fp32 masters, m and v vs AdamW; 16-bit weights
                           check_overflow_step      nothing changes on a skipped step
+    07 checkpoints        check_numerics           exercise (a): your save_shards, read back by zerokit's loader
+                                                   on N and N' ranks, bit for bit; then AdamW's numbers
+                          check_memory             exercise (a): each rank writes only its own shards (12 B each)
+                          check_reshard_map        exercise (b): the N -> N' reads, padding never read (PyTorch's
+                                                   planner cases among many), driving the loader on real ranks
+                          check_consolidate        exercise (c): a strict fp32 state_dict, tied weights once
+                          check_consolidate_memory exercise (c): peak ≤ the output + the largest parameter
+                          check_answers            check your understanding
 
 (The names the notebooks called before, e.g. check_zero1_numerics, check_matches_adamw, and
 the `kind=` argument for `model=`, still work for a term: each module aliases them.)
@@ -43,7 +51,8 @@ the `kind=` argument for `model=`, still work for a term: each module aliases th
 One bug costs one check. Each check looks at one thing, and where a check needs another
 exercise's piece it uses zerokit's reference for it (lesson 02's class checks use zerokit's
 average_gradients; lesson 05's hook checks use zerokit's gather and free; lesson 06's
-optimizer checks use zerokit's scaler), so a student loses the points of the check meant to
+optimizer checks use zerokit's scaler; lesson 07's reads your checkpoint with zerokit's loader, and
+drives that loader with your map), so a student loses the points of the check meant to
 catch a bug, and only those. tests/test_grading_lessonNN.py hold each lesson's broken
 versions and the exact checks each must fail.
 
