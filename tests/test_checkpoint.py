@@ -29,7 +29,7 @@ import torch
 import zerokit
 import zerokit.checkpoint as ckpt
 from conftest import adamw_reference, batch, max_diff, new_model, rank_slice, run_ranks
-from zerokit.checkpoint_files import CheckpointError, rank_file
+from zerokit.checkpoint.files import CheckpointError, rank_file
 from zerokit.comm import WireCounter
 from zerokit.flat import FlatBucket
 from zerokit.launcher import LaunchError
@@ -553,7 +553,7 @@ def _zerokit_side(rank, world, load_from, save_to, start, steps):
 
 @pytest.mark.timeout(150)
 def test_dcp_interop_with_fsdp2(tmp_path):
-    from zerokit.checkpoint_dcp import from_dcp, to_dcp
+    from zerokit.checkpoint.dcp import from_dcp, to_dcp
 
     reference, _, _ = adamw_reference("edge", 5, BATCH, lr=LR, weight_decay=WD)
     # zerokit (ZeRO-3) saves after 3 steps -> DCP -> FSDP2 + torch AdamW resumes for 2

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 import zerokit
 import zerokit.checkpoint as ckpt
-from zerokit.checkpoint_files import Reader, rank_file, write_tensors
+from zerokit.checkpoint.files import Reader, rank_file, write_tensors
 """
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])

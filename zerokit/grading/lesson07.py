@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from .. import checkpoint as ckpt
-from ..checkpoint_files import CheckpointError, rank_file
+from ..checkpoint.files import CheckpointError, rank_file
 from ..comm import WireCounter
 from ..memory import PeakRSS
 from ..models import build_model, model_loss

@@ -1,6 +1,6 @@
 """zerokit checkpoints to and from PyTorch Distributed Checkpoint (DCP), for FSDP2 with torch's AdamW.
 
-    zerokit.checkpoint_dcp.to_dcp("ckpt/step100", "dcp/step100")           # one process, no ranks
+    zerokit.checkpoint.dcp.to_dcp("ckpt/step100", "dcp/step100")           # one process, no ranks
     # ... then on the FSDP2 ranks, PyTorch's own recipe loads it:
     model_sd, optim_sd = get_state_dict(model, optim)
     state = {"model": model_sd, "optim": optim_sd}
@@ -8,7 +8,7 @@
     set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
     # the other way: FSDP2 saved dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=...)
-    zerokit.checkpoint_dcp.from_dcp("dcp/step200", "ckpt/step200", model)  # one process; any instance of the model
+    zerokit.checkpoint.dcp.from_dcp("dcp/step200", "ckpt/step200", model)  # one process; any instance of the model
     zerokit.checkpoint.load("ckpt/step200", model, opt)                     # any N, any stage
 
 **Why a converter, not DCP itself.** DCP stores each tensor under its own name, cut into
@@ -34,9 +34,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 
-from .checkpoint import FORMAT, VERSION, read_metadata, read_parameter, read_replicated
-from .checkpoint_files import METADATA, REPLICATED, Reader, commit, partial_dir, rank_file, write_json, write_tensors
-from .checkpoint_state import TENSORS, aliases
+from . import FORMAT, VERSION, read_metadata, read_parameter, read_replicated
+from .files import METADATA, REPLICATED, Reader, commit, partial_dir, rank_file, write_json, write_tensors
+from .state import TENSORS, aliases
 
 __all__ = ["to_dcp", "from_dcp"]
 

@@ -8,7 +8,13 @@ r"""Sharded checkpoints (lesson 07): save, load on any world size and stage, con
 empty between steps; under ZeRO-1/2 its optimizer holds m and v of one shard: 1/N of them.
 A ZeRO job's state exists only as the union of every rank's shards, so every rank saves.
 
-**The format.** A checkpoint is a directory (zerokit.checkpoint_files writes it atomically):
+This file is the lesson's reference (save, load, consolidate, and the exercises' save_shards,
+shard_reads, covering); its parts sit beside it: files.py (bytes written and read without
+copies, atomically, a COMPLETE marker, one error on every rank), state.py (one view of every
+stage's shards, for saving and loading), stream.py (build a ZeRO-3 model from a checkpoint
+unit by unit), dcp.py (to and from PyTorch Distributed Checkpoint, for FSDP2).
+
+**The format.** A checkpoint is a directory (zerokit.checkpoint.files writes it atomically):
 
     metadata.json    rank 0: format, version, world size N, and every bucket: its numel, its
                      shard size S = ceil(numel / N), and each parameter's name, shape, offset in
@@ -38,12 +44,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .checkpoint_files import (COMPLETE, METADATA, REPLICATED, CheckpointError, Reader, agree, commit,
+from .files import (COMPLETE, METADATA, REPLICATED, CheckpointError, Reader, agree, commit,
                                partial_dir, rank_file, read_json, write_json, write_tensors)
-from .checkpoint_state import (TENSORS, apply_description, check_same_model, describe, finish_load,
+from .state import (TENSORS, apply_description, check_same_model, describe, finish_load,
                                group_hyperparameters, load_replicated, parameter_names, replicated, saved_shards,
                                set_steps, stage_of, targets)
-from .checkpoint_stream import placeholders, stream_load
+from .stream import placeholders, stream_load
 
 __all__ = ["save", "load", "consolidate", "stream_load", "placeholders", "save_shards", "shard_reads", "covering",
            "tensor_offset", "read_metadata", "read_parameter", "read_replicated", "CheckpointError", "FORMAT",

@@ -16,12 +16,12 @@ from dataclasses import dataclass
 
 import torch
 
-from .checkpoint_files import REPLICATED
-from .ddp import DistributedAdam
-from .flat import FlatBucket
-from .zero1 import StateShard, ZeRO1Adam
-from .zero2 import ZeRO2Adam
-from .zero3 import ShardedParameters
+from ..ddp import DistributedAdam
+from ..flat import FlatBucket
+from ..zero1 import StateShard, ZeRO1Adam
+from ..zero2 import ZeRO2Adam
+from ..zero3 import ShardedParameters
+from .files import REPLICATED
 
 __all__ = ["TENSORS", "HYPER", "stage_of", "parameter_names", "saved_shards", "Target", "targets", "set_steps",
            "finish_load", "trained_shapes", "check_same_model", "load_replicated", "describe", "apply_description",
@@ -159,7 +159,7 @@ def finish_load(opt):
     if stage_of(opt) != "ddp":
         for sh in opt.state_shards():
             for p in sh.bucket.params:
-                p.__dict__.pop("zerokit_placeholder", None)  # a placeholder (checkpoint_stream) has its values now
+                p.__dict__.pop("zerokit_placeholder", None)  # a placeholder (checkpoint.stream) has its values now
         opt.loaded()
         return
     if opt.masters is not None:  # mixed precision: round the loaded fp32 masters into the 16-bit parameters

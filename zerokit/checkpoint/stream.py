@@ -18,9 +18,9 @@ Then stream_load fills each unit's shards from the file.
 import torch
 from torch import nn
 
-from .checkpoint_files import agree
-from .checkpoint_state import parameter_names, replicated, trained_shapes
-from .zero3 import ShardedParameters
+from ..zero3 import ShardedParameters
+from .files import agree
+from .state import parameter_names, replicated, trained_shapes
 
 __all__ = ["placeholders", "stream_load"]
 
