@@ -205,8 +205,8 @@ class ShardedParameters(ZeRO2Adam):
 
     @torch.no_grad()
     def _free(self, bi):
-        """Bucket bi back to its shard only: empty parameters, the buffer's memory released,
-        nothing in flight."""
+        """Bucket bi back to its shard only: nothing in flight, parameters empty, and the buffer's
+        memory released, whether the bucket was full or its gather still in flight."""
         if bi in self._gathering:  # a prefetch nobody used: wait for it, then release its buffer too
             work, full, _shard = self._gathering.pop(bi)
             work.wait()
