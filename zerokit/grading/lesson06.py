@@ -441,8 +441,9 @@ def check_numerics(cls, world_size=2, model="mlp", dtype="bf16", steps=4, timeou
     _check_optimizer_class(cls)
     psi = run_on_ranks(_train_case, world_size, args=(cls, model, dtype, steps, None), timeout=timeout,
                        what=cls.__name__)[0]
-    passed(f"{cls.__name__} in {dtype} on {world_size} ranks ({model}, Ψ = {psi}): fp32 masters, m and v match "
-           f"torch.optim.AdamW after each of {steps} steps; the 16-bit weights are the rounded masters")
+    passed(f"{cls.__name__} in {dtype} on {world_size} ranks ({model}, Ψ = {psi}): every parameter {dtype} once "
+           f"built (frozen ones too), the masters the weights as built; fp32 masters, m and v match torch.optim.AdamW "
+           f"after each of {steps} steps; the 16-bit weights are the rounded masters")
 
 
 def check_overflow_step(cls, world_size=2, model="mlp", dtype="fp16", steps=4, inject_at=1, timeout=60.0):
