@@ -128,8 +128,8 @@ def _unscale_case(rank, world_size, cls):
                     raise AssertionError(
                         f"{call}: gradient {i} came back {ratio} (g·S = {float(src.float().reshape(-1)[0]):.4g} "
                         f"-> {float(o.reshape(-1)[0]):.4g}); divide by the scale: backward computed the gradient "
-                        f"of loss·S, so the true gradient is grad / S = {float(expected.reshape(-1)[0]):.4g}. "
-                        "Multiplying makes it S² too large")
+                        f"of loss·S, so the true gradient is grad / S = {float(expected.reshape(-1)[0]):.4g}"
+                        + (". Multiplying makes it S² too large" if ratio == "times the scale" else ""))
                 rounded = (src / scale).float()
                 if not torch.equal(rounded, expected) and torch.equal(o, rounded):
                     raise AssertionError(
