@@ -34,7 +34,8 @@ the student's code, under the same names, plus what only its lesson has:
     06 mixed precision    check_unscale            g / S in fp32
                           check_overflow_agreed    an inf on one rank skips the step on every rank
                           check_scale_schedule     backoff and growth
-                          check_numerics           fp32 masters, m and v vs AdamW; 16-bit weights
+                          check_numerics           fp32 masters (taken before the cast), m, v vs AdamW; every
+                                                   weight 16-bit, frozen ones too
                           check_overflow_step      nothing changes on a skipped step
 
 (The names the notebooks called before, e.g. check_zero1_numerics, check_matches_adamw, and
