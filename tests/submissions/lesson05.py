@@ -64,7 +64,7 @@ _KEEPS_PREFETCH = '''
 
 
 STUDENTS = [
-    correct(LESSON, "sharded_parameters", "my_zero3"),
+    correct(LESSON, "sharded_parameters", "my_zero3", "understanding"),
     untouched(LESSON, "still the stub"),
     Student("keeps_full_copies", "right hooks and numbers, but a full copy of every unit kept after its forward",
             {**FULL, "test_parameters_sharded": 0}, reason="something keeps full-size buffers alive",

@@ -109,7 +109,7 @@ _TRAINABLE_ONLY = """        for p in self.params:  # BUG: the frozen parameters
 """
 
 STUDENTS = [
-    correct(LESSON, "loss_scaler", "master_adam"),
+    correct(LESSON, "loss_scaler", "master_adam", "understanding"),
     untouched(LESSON, "still the stub"),
     Student("multiplies_by_scale", "unscale multiplies the gradient by the loss scale instead of dividing",
             {**FULL, "test_unscale": 0}, reason="times the scale",
