@@ -14,9 +14,10 @@ it: `build_model(name, seed)`, `model_batch(name, size, seed)`, `model_loss(name
     deep-mlp     OddMLP (27 -> 768 -> 768 -> 768 -> 7)   1.2 M   peaks measured whole-process: a layer is
                                                                  a fifth of the model (lesson 07)
     edge         EdgeCaseNet                             745     tied, frozen, unused parameters
-    branch       BranchNet                               544     a branch only some ranks run
-    nested       NestedNet                               ...     nested units for ZeRO-3
-    transformer  TinyTransformer (vocab 101, width 22)   ...     attention, embeddings, norms
+    branch       BranchNet                               566     a branch some ranks (lesson 04) or some
+                                                                 steps (lesson 05: a unit skipped) leave out
+    nested       NestedNet                               6478    nested units for ZeRO-3
+    transformer  TinyTransformer (vocab 101, width 22)   16742   attention, embeddings, norms
 """
 
 from dataclasses import dataclass, field

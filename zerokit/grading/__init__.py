@@ -34,7 +34,8 @@ the student's code, under the same names, plus what only its lesson has:
     06 mixed precision    check_unscale            g / S in fp32
                           check_overflow_agreed    an inf on one rank skips the step on every rank
                           check_scale_schedule     backoff and growth
-                          check_numerics           fp32 masters, m and v vs AdamW; 16-bit weights
+                          check_numerics           fp32 masters (taken before the cast), m, v vs AdamW; every
+                                                   weight 16-bit, frozen ones too
                           check_overflow_step      nothing changes on a skipped step
     07 checkpoints        check_numerics           exercise (a): your save_shards, read back by zerokit's loader
                                                    on N and N' ranks, bit for bit; then AdamW's numbers
