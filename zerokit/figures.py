@@ -170,6 +170,9 @@ def reshard_figure(numel, old_world, new_world, reads=None, sizes=None):
     ax.set_ylim(-0.5, rows)
     ax.set_title(f"{numel} elements: {old_world} shards of {s_old} -> {new_world} shards of {s_new} "
                  "(colour: the old rank each piece is read from; hatched: padding)", fontsize=10)
+    ax.axis("off")
+    fig.tight_layout()
+    return fig
 
 
 def unit_state_figure():
