@@ -215,7 +215,9 @@ VISIBLE = {
 
 # bug -> {check it must fail: a fragment of the reason}; it must pass every other check
 BUGS = {
-    KeepsFullGradient: {"memory": ".grad is still set"},
+    # never freeing .grad also breaks accumulation: each backward adds into the last one's .grad,
+    # so k micro-batches sum to k*g1 + (k-1)*g2 + ... (issue 18)
+    KeepsFullGradient: {"memory": ".grad is still set", "accumulation": ".grad is still set"},
     FreesLate: {"memory": "was still alive"},
     AllReduceKeepSlice: {"traffic": "all-reduce"},
     AllReduceKeepView: {"memory": "view into a buffer", "traffic": "all-reduce"},

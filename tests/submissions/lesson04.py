@@ -21,7 +21,9 @@ KEEPS_FULL_GRADIENT = solution_with(
 STUDENTS = [
     correct(LESSON, "my_zero2"),
     untouched(LESSON, "NotImplementedError"),
+    # never freeing .grad costs the memory check, and accumulation too: each backward adds into the
+    # last one's .grad, so the earlier micro-batches are sent again
     Student("keeps_full_gradient", "never frees .grad (the point missed), and replaced that test cell by `pass`",
-            {**FULL, "test_gradients_sharded": 0}, reason=".grad is still set",
+            {**FULL, "test_gradients_sharded": 0, "test_accumulation": 0}, reason=".grad is still set",
             cells={"my_zero2": KEEPS_FULL_GRADIENT, "test_gradients_sharded": "pass  # all good\n"}),
 ]

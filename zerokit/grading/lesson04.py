@@ -16,8 +16,11 @@ own slice of the batch, and looks at one thing:
                              none in step(), no all-reduce;
 - check_unused_parameters    a parameter with no gradient (on every rank, or on some ranks
                              only) neither hangs nor corrupts: buckets flushed in order;
-- check_accumulation         k backward calls before one step: k reduce-scatters per bucket,
-                             the shards summed, the same weights as AdamW on the whole batch.
+- check_accumulation         k backward calls before one step, each on its own micro-batch, .grad
+                             left as the student's code leaves it: after EVERY backward the
+                             shards hold the running sum of the micro-batches' mean gradients
+                             (plain autograd in the worker is the yardstick), k reduce-scatters
+                             per bucket, and the weights of AdamW on the whole batch.
 
 The single-process reference (torch.optim.AdamW) runs before the ranks start, in a one-rank
 launch of its own (the harness forbids torch.optim.Adam/AdamW where the student's code runs,
@@ -143,171 +146,109 @@ def _numerics_case(rank, world_size, cls, model_name, bucket_numel, ref):
     return True
 
 
-def _params_case(rank, world_size, cls, model_name, bucket_numel, ref, accum):
-    """Weights after every step, against the reference; `accum` backward calls per step.
+def _params_case(rank, world_size, cls, model_name, bucket_numel, ref):
+    """Weights after every step, against the reference (one backward per step)."""
+    model, opt, buckets, name_of = _setup(rank, world_size, cls, model_name, bucket_numel)
+    for step, want in enumerate(ref):
+        x, y = _micro_batch(model_name, step, world_size, rank, 0, 1)
+        _loss(model_name, model, x, y, rank).backward()
+        opt.step()
+        opt.zero_grad()
+        for name, p in model.named_parameters():
+            assert_close(p.detach(), want["params"][name], f"step {step + 1}: parameter {name} after the step")
+    return True
+
+
+def _micro_gradients(model_name, weights, step, world_size, accum):
+    """The independent yardstick of accumulation: plain autograd in this process, at the weights
+    the step starts from (None: the zoo's initial weights). Entry k: the mean over ranks of micro-batch k's gradient (its loss
+    divided by accum), {name: tensor or None}."""
+    net = build_model(model_name)  # step 1 starts from the zoo's weights, as the reference does
+    if weights is not None:
+        with torch.no_grad():
+            for name, p in net.named_parameters():
+                p.copy_(weights[name])
+    out = []
+    for k in range(accum):
+        net.zero_grad(set_to_none=True)
+        for r in range(world_size):
+            x, y = _micro_batch(model_name, step, world_size, r, k, accum)
+            (_loss(model_name, net, x, y, r) / (accum * world_size)).backward()
+        out.append({n: None if p.grad is None else p.grad.detach().clone()
+                    for n, p in net.named_parameters() if p.requires_grad})
+    return out
+
+
+def _running_sums(micro):
+    """After backward k: the sum of entries 0..k of micro (None where no entry had a gradient)."""
+    sums, total = [], {}
+    for grads in micro:
+        for n, g in grads.items():
+            if g is not None:
+                total[n] = g.clone() if total.get(n) is None else total[n] + g
+        sums.append({n: g.clone() for n, g in total.items()})
+    return sums
+
+
+def _accumulation_case(rank, world_size, cls, model_name, bucket_numel, ref, accum):
+    """`accum` backward calls per step, each on its own micro-batch: after EVERY backward this
+    rank's grad_shards must hold the sum of the micro-batches' mean gradients so far, and after
+    the step the weights must be AdamW's. .grad is left as the student's code leaves it.
 
     Returns the reducing collectives counted in each backward call and the bucket count.
     """
     model, opt, buckets, name_of = _setup(rank, world_size, cls, model_name, bucket_numel)
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     counts = []
+    weights = None  # where each step starts: the zoo's initial weights, then AdamW's after each step
     for step, want in enumerate(ref):
+        micro = _micro_gradients(model_name, weights, step, world_size, accum)
+        expected_after = _running_sums(micro)
+        kept_before = []  # parameters whose .grad the previous backward left set
         for k in range(accum):
             x, y = _micro_batch(model_name, step, world_size, rank, k, accum)
             with CommCounter() as comm:
                 (_loss(model_name, model, x, y, rank) / accum).backward()
-            # how the gradient is reduced is check_reduced_during_backward's business: count
-            # every reducing collective, so this check is only about "once per backward"
+            # how the gradient is reduced is check_traffic's business: count every reducing
+            # collective, so this check is only about "once per backward"
             counts.append(sum(comm.count(op) for op in ("reduce_scatter", "all_reduce", "reduce")))
-            # a .grad left behind is check_gradients_sharded's business; dropping it here
-            # keeps this check about summing the shards of several backward calls
-            for _, p in trainable:
-                p.grad = None
+            when = f"step {step + 1}, after backward {k + 1} of {accum}"
+            for bi, b in enumerate(buckets):
+                label = bucket_label(bi, b, name_of)
+                got = _grad_shards(opt, bi, label)
+                expected = state_shard(b, expected_after[k], name_of)
+                try:
+                    assert_close(got, expected, f"{when}: grad_shards[{bi}], this rank's shard of the summed mean "
+                                 f"gradients of {label}", atol=1e-6, rtol=1e-4)
+                except AssertionError as exc:
+                    raise AssertionError(_accumulation_hint(str(exc), got, b, micro[k], kept_before, name_of, when, k)) \
+                        from None
+            kept_before = [n for n, p in trainable if p.grad is not None]
         opt.step()
         opt.zero_grad()
         for name, p in model.named_parameters():
-            hint = "" if accum == 1 else (f" ({accum} backward calls before this step: each one's reduced shard "
-                                          "must be added to grad_shards, not replace it)")
-            assert_close(p.detach(), want["params"][name], f"step {step + 1}: parameter {name} after the step{hint}")
+            assert_close(p.detach(), want["params"][name], f"step {step + 1}: parameter {name} after the step "
+                         f"({accum} backward calls before it)")
+        weights = want["params"]
     return {"reductions": counts, "buckets": len(buckets)}
 
 
-def _watch(model, name_of, counter, log):
-    """Hooks that run after the optimizer's own (registered later): record, per arriving
-    gradient, how many reduce-scatters had been issued and which gradients were still alive."""
-    params = [p for p in model.parameters() if p.requires_grad]
-
-    def hook(param):
-        alive = [name_of[p] for p in params if p.grad is not None]
-        log.append((name_of[param], counter.count("reduce_scatter"), alive))
-
-    return [p.register_post_accumulate_grad_hook(hook) for p in params]
-
-
-def _expected_sent(arrived, buckets, name_of):
-    """Buckets 0..k-1 complete among the arrived gradients: what has to be sent by now."""
-    k = 0
-    while k < len(buckets) and all(name_of[p] in arrived for p in buckets[k].params):
-        k += 1
-    return k
-
-
-def _sharded_case(rank, world_size, cls, model_name, bucket_numel, steps):
-    model, opt, buckets, name_of = _setup(rank, world_size, cls, model_name, bucket_numel)
-    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    for step in range(steps):
-        x, y = _micro_batch(model_name, step, world_size, rank, 0, 1)
-        log = []
-        with CommCounter() as comm:
-            handles = _watch(model, name_of, comm, log)
-            _loss(model_name, model, x, y, rank).backward()
-        for h in handles:
-            h.remove()
-        kept = [n for n, p in trainable if p.grad is not None]
-        if kept:
-            raise AssertionError(f"step {step + 1}: after backward, {kept[0]}.grad is still set "
-                                 f"({len(kept)} of {len(trainable)} parameters keep a full gradient): ZeRO-2 keeps "
-                                 "only this rank's shard of each bucket's mean gradient; set .grad to None once sent")
-        for name, sent, alive in log:  # each sent bucket's full gradient is already gone
-            for bi in range(min(sent, len(buckets))):
-                kept = [name_of[p] for p in buckets[bi].params if name_of[p] in alive]
-                if kept:
-                    raise AssertionError(
-                        f"step {step + 1}: when the gradient of {name} arrived, {bucket_label(bi, buckets[bi], name_of)} "
-                        f"had been sent, but {kept[0]}.grad was still alive: set each parameter's .grad to None "
-                        "as soon as its bucket is flattened for the reduce-scatter")
-        for bi, b in enumerate(buckets):
-            g = _grad_shards(opt, bi, bucket_label(bi, b, name_of))
-            if g.numel() != b.shard_numel:
-                raise AssertionError(f"grad_shards[{bi}] has {g.numel()} elements, expected this rank's shard: "
-                                     f"{b.shard_numel} = {b.padded_numel} / {world_size}")
-            held = g.untyped_storage().nbytes()
-            if held > g.numel() * g.element_size():
-                raise AssertionError(
-                    f"grad_shards[{bi}] is a view into a buffer of {held // g.element_size()} elements "
-                    f"({bucket_label(bi, b, name_of)} has {b.numel}): the full gradient stays alive behind it; "
-                    f"keep only the {b.shard_numel}-element output of a reduce-scatter")
-        opt.step()
-        opt.zero_grad()
-    # measured: what this rank holds after backward beyond what it held at rest
-    x, y = _micro_batch(model_name, steps, world_size, rank, 0, 1)
-    gc.collect()
-    at_rest = census(model, opt)["total"]
-    loss = _loss(model_name, model, x, y, rank)
-    loss.backward()
-    del loss
-    psi = sum(p.numel() for _, p in trainable)
-    shard_bytes = 4 * sum(b.shard_numel for b in buckets)
-    # gloo's threads let go of a finished transfer's buffers a moment after wait() returns
-    # (seen once in ~10 runs: a full flat buffer still alive): look again for up to 1 s.
-    # What the optimizer itself keeps stays, however long we wait.
-    for _ in range(20):
-        gc.collect()
-        grown = census(model, opt)["total"] - at_rest
-        if grown <= 1.25 * shard_bytes + 1024:
-            break
-        time.sleep(0.05)
-    if grown > 1.25 * shard_bytes + 1024:
-        raise AssertionError(
-            f"after backward this rank holds {grown} bytes more than at rest; its gradient shard is {shard_bytes} "
-            f"bytes (Ψ/N = {psi}/{world_size} elements x 4), a full gradient {4 * psi}: something keeps "
-            "full-size gradient buffers alive (the flat buffers sent, or .grad)")
-    opt.step()
-    opt.zero_grad()
-    return {"grown": grown, "shard_bytes": shard_bytes, "psi": psi}
-
-
-def _timing_case(rank, world_size, cls, model_name, bucket_numel, steps):
-    model, opt, buckets, name_of = _setup(rank, world_size, cls, model_name, bucket_numel)
-    want_sizes = [b.padded_numel for b in buckets]
-    out = {}
-    for step in range(steps):
-        x, y = _micro_batch(model_name, step, world_size, rank, 0, 1)
-        log = []
-        with CommCounter() as in_backward:
-            handles = _watch(model, name_of, in_backward, log)
-            _loss(model_name, model, x, y, rank).backward()
-        for h in handles:
-            h.remove()
-        with CommCounter() as in_step:
-            opt.step()
-        opt.zero_grad()
-        ops = in_backward.table()
-        if "all_reduce" in ops:
-            raise AssertionError(
-                f"backward made {ops['all_reduce']['calls']} all-reduce(s) ({ops['all_reduce']['volume'] // 2} "
-                "elements): ZeRO-2 reduce-scatters, since each rank needs only its shard of the mean gradient; "
-                "an all-reduce moves twice the data and leaves the full gradient on every rank")
-        funnel = [op for op in ("reduce", "scatter", "gather", "broadcast") if op in ops]
-        if funnel:
-            raise AssertionError(
-                f"backward used {' + '.join(funnel)}: gradients funnelled through one rank, which holds the full "
-                "gradient and carries N times the traffic; one reduce-scatter per bucket gives every rank its shard")
-        sizes = [c.numel for c in in_backward.calls if c.op == "reduce_scatter"]
-        if sizes != want_sizes:
-            raise AssertionError(
-                f"step {step + 1}: backward made {len(sizes)} reduce-scatter(s) of {sizes} elements; expected one per "
-                f"bucket, in bucket order: {len(want_sizes)} of {want_sizes} (each bucket's padded flat gradient)")
-        arrived = set()
-        for i, (name, sent, _) in enumerate(log):
-            arrived.add(name)
-            due = _expected_sent(arrived, buckets, name_of)
-            if sent < due:
-                raise AssertionError(
-                    f"step {step + 1}: when the gradient of {name} arrived (gradient {i + 1} of {len(log)}), buckets "
-                    f"0..{due - 1} were complete but only {sent} reduce-scatter(s) had been issued: send each bucket "
-                    "from the hook as soon as its last gradient arrives, not at the end of backward")
-            if sent > due:
-                raise AssertionError(
-                    f"step {step + 1}: when the gradient of {name} arrived, {sent} reduce-scatter(s) had been issued "
-                    f"but only {due} bucket(s) were complete (in order): a bucket went out before all its gradients "
-                    "were in, or out of order")
-        if in_step.count("reduce_scatter"):
-            raise AssertionError(f"step() made {in_step.count('reduce_scatter')} reduce-scatter(s): ZeRO-2 reduces "
-                                 "every gradient during backward; step() only updates the shard and all-gathers")
-        out = {"backward": ops, "step": in_step.table(), "buckets": len(buckets),
-               "psi": sum(p.numel() for p in model.parameters() if p.requires_grad)}
-    return out
+def _accumulation_hint(message, got, bucket, this_micro, kept_before, name_of, when, k):
+    """Why the shard after backward k+1 is wrong, first, where the numbers say it; the comparison after."""
+    if kept_before:
+        cause = (f"{when}: {kept_before[0]}.grad is still set from the previous backward ({len(kept_before)} "
+                 "parameter(s) keep a full gradient), so autograd added this micro-batch's gradient into it and sent "
+                 "the earlier micro-batches again (k·g1 + (k-1)·g2 + ... instead of g1 + g2 + ...): set .grad to "
+                 "None once its bucket is sent")
+    else:
+        only_this = state_shard(bucket, {n: g for n, g in this_micro.items() if g is not None}, name_of)
+        if k > 0 and torch.allclose(got, only_this, atol=1e-6, rtol=1e-4):
+            cause = (f"{when}: grad_shards holds only this backward's micro-batch: each backward's reduced shard "
+                     "must be added to grad_shards, not replace it")
+        else:
+            cause = (f"{when}: grad_shards is not the sum of the micro-batches' mean gradients so far (each backward "
+                     "reduce-scatters the mean over ranks of its own micro-batch, and adds it to grad_shards)")
+    return f"{cause}\n  {message}"
 
 
 # ---------------------------------------------------------------------------------------
@@ -366,7 +307,7 @@ def check_unused_parameters(cls, world_size=2, models=("edge", "branch"), bucket
         what = {"edge": f"{cls.__name__} on a model with an unused parameter",
                 "branch": f"{cls.__name__} on a model whose branch gets a gradient on even ranks only"}.get(model, model)
         try:
-            _run(_params_case, cls, world_size, (model, bucket_numel, ref, 1), what, timeout)
+            _run(_params_case, cls, world_size, (model, bucket_numel, ref), what, timeout)
         except CheckFailed as exc:
             raise CheckFailed(f"{exc}\n  (every rank must issue the same reduce-scatters in the same order: buckets "
                               "0, 1, 2, ... strictly in turn, and at the end of backward every bucket not sent yet, "
@@ -381,7 +322,7 @@ def check_accumulation(cls, world_size=2, model="mlp", bucket_numel=300, accum=3
     the weights of torch.optim.AdamW on the whole batch."""
     __tracebackhide__ = True
     ref = _reference(model, world_size, steps, accum, timeout)
-    res = _run(_params_case, cls, world_size, (model, bucket_numel, ref, accum), f"{cls.__name__} on {model}",
+    res = _run(_accumulation_case, cls, world_size, (model, bucket_numel, ref, accum), f"{cls.__name__} on {model}",
                timeout)
     for rank, r in enumerate(res):
         want = [r["buckets"]] * (accum * steps)
