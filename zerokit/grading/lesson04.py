@@ -40,10 +40,11 @@ from ..models import build_model, model_loss
 from ..zero2 import ZeRO2Adam
 from .compare import assert_close
 from .harness import CheckFailed, passed, run_on_ranks
-from .kit import (adamw_reference, alias, assert_adam_shards, bucket_label, check_class, global_batch, renamed_args,
-                  state_shard)
+from .kit import (adamw_reference, alias, assert_adam_shards, bucket_label, check_class, gather_object, global_batch,
+                  refusing, renamed_args, state_shard)
 
-__all__ = ["check_numerics", "check_memory", "check_traffic", "check_unused_parameters", "check_accumulation"]
+__all__ = ["check_numerics", "check_memory", "check_traffic", "check_unused_parameters", "check_accumulation",
+           "check_clipping", "try_stretch"]
 
 # eps 1e-6, not AdamW's default 1e-8: Adam divides each gradient element by sqrt(v) + eps, so
 # an element that is ~1e-9 by cancellation (the transformer has a few) turns the rounding of a
@@ -251,6 +252,144 @@ def _accumulation_hint(message, got, bucket, this_micro, kept_before, name_of, w
     return f"{cause}\n  {message}"
 
 
+def _watch(model, name_of, counter, log):
+    """Hooks that run after the optimizer's own (registered later): record, per arriving
+    gradient, how many reduce-scatters had been issued and which gradients were still alive."""
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def hook(param):
+        alive = [name_of[p] for p in params if p.grad is not None]
+        log.append((name_of[param], counter.count("reduce_scatter"), alive))
+
+    return [p.register_post_accumulate_grad_hook(hook) for p in params]
+
+
+def _expected_sent(arrived, buckets, name_of):
+    """Buckets 0..k-1 complete among the arrived gradients: what has to be sent by now."""
+    k = 0
+    while k < len(buckets) and all(name_of[p] in arrived for p in buckets[k].params):
+        k += 1
+    return k
+
+
+def _sharded_case(rank, world_size, cls, model_name, bucket_numel, steps):
+    model, opt, buckets, name_of = _setup(rank, world_size, cls, model_name, bucket_numel)
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    for step in range(steps):
+        x, y = _micro_batch(model_name, step, world_size, rank, 0, 1)
+        log = []
+        with CommCounter() as comm:
+            handles = _watch(model, name_of, comm, log)
+            _loss(model_name, model, x, y, rank).backward()
+        for h in handles:
+            h.remove()
+        kept = [n for n, p in trainable if p.grad is not None]
+        if kept:
+            raise AssertionError(f"step {step + 1}: after backward, {kept[0]}.grad is still set "
+                                 f"({len(kept)} of {len(trainable)} parameters keep a full gradient): ZeRO-2 keeps "
+                                 "only this rank's shard of each bucket's mean gradient; set .grad to None once sent")
+        for name, sent, alive in log:  # each sent bucket's full gradient is already gone
+            for bi in range(min(sent, len(buckets))):
+                kept = [name_of[p] for p in buckets[bi].params if name_of[p] in alive]
+                if kept:
+                    raise AssertionError(
+                        f"step {step + 1}: when the gradient of {name} arrived, {bucket_label(bi, buckets[bi], name_of)} "
+                        f"had been sent, but {kept[0]}.grad was still alive: set each parameter's .grad to None "
+                        "as soon as its bucket is flattened for the reduce-scatter")
+        for bi, b in enumerate(buckets):
+            g = _grad_shards(opt, bi, bucket_label(bi, b, name_of))
+            if g.numel() != b.shard_numel:
+                raise AssertionError(f"grad_shards[{bi}] has {g.numel()} elements, expected this rank's shard: "
+                                     f"{b.shard_numel} = {b.padded_numel} / {world_size}")
+            held = g.untyped_storage().nbytes()
+            if held > g.numel() * g.element_size():
+                raise AssertionError(
+                    f"grad_shards[{bi}] is a view into a buffer of {held // g.element_size()} elements "
+                    f"({bucket_label(bi, b, name_of)} has {b.numel}): the full gradient stays alive behind it; "
+                    f"keep only the {b.shard_numel}-element output of a reduce-scatter")
+        opt.step()
+        opt.zero_grad()
+    # measured: what this rank holds after backward beyond what it held at rest
+    x, y = _micro_batch(model_name, steps, world_size, rank, 0, 1)
+    gc.collect()
+    at_rest = census(model, opt)["total"]
+    loss = _loss(model_name, model, x, y, rank)
+    loss.backward()
+    del loss
+    psi = sum(p.numel() for _, p in trainable)
+    shard_bytes = 4 * sum(b.shard_numel for b in buckets)
+    # gloo's threads let go of a finished transfer's buffers a moment after wait() returns
+    # (seen once in ~10 runs: a full flat buffer still alive): look again for up to 1 s.
+    # What the optimizer itself keeps stays, however long we wait.
+    for _ in range(20):
+        gc.collect()
+        grown = census(model, opt)["total"] - at_rest
+        if grown <= 1.25 * shard_bytes + 1024:
+            break
+        time.sleep(0.05)
+    if grown > 1.25 * shard_bytes + 1024:
+        raise AssertionError(
+            f"after backward this rank holds {grown} bytes more than at rest; its gradient shard is {shard_bytes} "
+            f"bytes (Ψ/N = {psi}/{world_size} elements x 4), a full gradient {4 * psi}: something keeps "
+            "full-size gradient buffers alive (the flat buffers sent, or .grad)")
+    opt.step()
+    opt.zero_grad()
+    return {"grown": grown, "shard_bytes": shard_bytes, "psi": psi}
+
+
+def _timing_case(rank, world_size, cls, model_name, bucket_numel, steps):
+    model, opt, buckets, name_of = _setup(rank, world_size, cls, model_name, bucket_numel)
+    want_sizes = [b.padded_numel for b in buckets]
+    out = {}
+    for step in range(steps):
+        x, y = _micro_batch(model_name, step, world_size, rank, 0, 1)
+        log = []
+        with CommCounter() as in_backward:
+            handles = _watch(model, name_of, in_backward, log)
+            _loss(model_name, model, x, y, rank).backward()
+        for h in handles:
+            h.remove()
+        with CommCounter() as in_step:
+            opt.step()
+        opt.zero_grad()
+        ops = in_backward.table()
+        if "all_reduce" in ops:
+            raise AssertionError(
+                f"backward made {ops['all_reduce']['calls']} all-reduce(s) ({ops['all_reduce']['volume'] // 2} "
+                "elements): ZeRO-2 reduce-scatters, since each rank needs only its shard of the mean gradient; "
+                "an all-reduce moves twice the data and leaves the full gradient on every rank")
+        funnel = [op for op in ("reduce", "scatter", "gather", "broadcast") if op in ops]
+        if funnel:
+            raise AssertionError(
+                f"backward used {' + '.join(funnel)}: gradients funnelled through one rank, which holds the full "
+                "gradient and carries N times the traffic; one reduce-scatter per bucket gives every rank its shard")
+        sizes = [c.numel for c in in_backward.calls if c.op == "reduce_scatter"]
+        if sizes != want_sizes:
+            raise AssertionError(
+                f"step {step + 1}: backward made {len(sizes)} reduce-scatter(s) of {sizes} elements; expected one per "
+                f"bucket, in bucket order: {len(want_sizes)} of {want_sizes} (each bucket's padded flat gradient)")
+        arrived = set()
+        for i, (name, sent, _) in enumerate(log):
+            arrived.add(name)
+            due = _expected_sent(arrived, buckets, name_of)
+            if sent < due:
+                raise AssertionError(
+                    f"step {step + 1}: when the gradient of {name} arrived (gradient {i + 1} of {len(log)}), buckets "
+                    f"0..{due - 1} were complete but only {sent} reduce-scatter(s) had been issued: send each bucket "
+                    "from the hook as soon as its last gradient arrives, not at the end of backward")
+            if sent > due:
+                raise AssertionError(
+                    f"step {step + 1}: when the gradient of {name} arrived, {sent} reduce-scatter(s) had been issued "
+                    f"but only {due} bucket(s) were complete (in order): a bucket went out before all its gradients "
+                    "were in, or out of order")
+        if in_step.count("reduce_scatter"):
+            raise AssertionError(f"step() made {in_step.count('reduce_scatter')} reduce-scatter(s): ZeRO-2 reduces "
+                                 "every gradient during backward; step() only updates the shard and all-gathers")
+        out = {"backward": ops, "step": in_step.table(), "buckets": len(buckets),
+               "psi": sum(p.numel() for p in model.parameters() if p.requires_grad)}
+    return out
+
+
 # ---------------------------------------------------------------------------------------
 # in the notebook
 
@@ -332,6 +471,105 @@ def check_accumulation(cls, world_size=2, model="mlp", bucket_numel=300, accum=3
                               f"(one per bucket: ZeRO-2 reduces whatever each backward produced)")
     passed(f"{cls.__name__} accumulates {accum} micro-batches on {world_size} ranks ({model}): "
            f"{accum} x {res[0]['buckets']} reduce-scatters per step, weights match torch.optim.AdamW")
+
+
+# ---------------------------------------------------------------------------------------
+# the stretch exercise: clipping sharded gradients (checked when attempted, worth no points)
+
+CLIP_MODEL, CLIP_STEPS, CLIP_BUCKET = "mlp", 4, 300
+# between the norms of the mean gradient of the steps below (0.80, 0.92, 0.82, 0.84 on "mlp"): one clips, the rest do not
+MAX_NORM = 0.87
+
+
+def _clipped_whole_batch(net, step, model, world_size, max_norm):
+    """The reference's gradient, clipped by torch.nn.utils.clip_grad_norm_ (one process)."""
+    _whole_batch(net, step, model, world_size, 1)
+    torch.nn.utils.clip_grad_norm_([p for p in net.parameters() if p.requires_grad], max_norm)
+
+
+def _clipping_case(rank, world_size, fn, model_name, bucket_numel, ref, max_norm):
+    from ..zero1 import ZeRO1Adam
+
+    used = ("your function called zerokit's ZeRO1Adam.clip_grad_norm_: the stretch is to write the clipping "
+            "yourself")
+    with refusing((ZeRO1Adam, "clip_grad_norm_", used)):
+        model = build_model(model_name)
+        opt = ZeRO2Adam(model.parameters(), bucket_mb=_bucket_mb(bucket_numel), **HYPER)
+        weights, norms = None, []
+        for step, want in enumerate(ref):
+            x, y = _micro_batch(model_name, step, world_size, rank, 0, 1)
+            _loss(model_name, model, x, y, rank).backward()
+            expected = [g for g in _micro_gradients(model_name, weights, step, world_size, 1)[0].values()
+                        if g is not None]
+            expected = float(torch.sqrt(sum((g.double() ** 2).sum() for g in expected)))
+            # this rank's shards before the student's function scales them
+            mine = float(torch.sqrt(sum((g.double() ** 2).sum() for g in opt.grad_shards if g is not None)))
+            got = fn(opt, max_norm)
+            try:
+                got = float(got)
+            except (TypeError, ValueError, RuntimeError):
+                raise AssertionError(f"clip_sharded_grad_norm_ returned {got!r}; expected the norm, a number") from None
+            everyone, shard_norms = gather_object(got), gather_object(mine)  # collectives: on every rank
+            if abs(got - expected) > 1e-4 * expected + 1e-7:
+                if len(set(everyone)) > 1 and abs(got - mine) <= 1e-4 * mine + 1e-7:
+                    why = ("it is the norm of this rank's shards only, a different number on each rank: add the "
+                           "ranks' sums of squares (one all-reduce) before the square root")
+                elif abs(got - sum(shard_norms)) <= 1e-4 * expected:
+                    why = "it is the sum of the ranks' norms: add their squares, then take the square root"
+                else:
+                    why = "the global L2 norm of the mean gradient is the square root of the sum of squares over all shards"
+                raise AssertionError(f"step {step + 1}: clip_sharded_grad_norm_ returned {got:.6g}, the norm of the "
+                                     f"mean gradient is {expected:.6g} (every rank: {everyone}): {why}")
+            norms.append(expected)
+            opt.step()
+            opt.zero_grad()
+            for name, p in model.named_parameters():
+                try:
+                    assert_close(p.detach(), want["params"][name], f"step {step + 1}: parameter {name} after the step")
+                except AssertionError as exc:
+                    clipped = expected > max_norm
+                    raise AssertionError(
+                        f"step {step + 1}: the weights differ from torch.optim.AdamW after clip_grad_norm_("
+                        f"max_norm={max_norm:g}) (the norm was {expected:.4g}, so the gradient "
+                        f"{'must be scaled by max_norm / (norm + 1e-6), in place, in grad_shards' if clipped else 'must be left as it is'})"
+                        f"\n  {exc}") from None
+            weights = want["params"]
+    return norms
+
+
+def check_clipping(fn, world_size=2, max_norm=MAX_NORM, timeout=60.0):
+    """The stretch: clip_sharded_grad_norm_(optimizer, max_norm) on zerokit.ZeRO2Adam returns the global
+    norm of the mean gradient on every rank and clips the shards as torch.nn.utils.clip_grad_norm_ does:
+    norms and weights after every step against one process running it and torch.optim.AdamW."""
+    __tracebackhide__ = True
+    if not callable(fn):
+        raise CheckFailed(f"expected the function clip_sharded_grad_norm_, got {type(fn).__name__}")
+    ref = adamw_reference(CLIP_MODEL, CLIP_STEPS, HYPER, _clipped_whole_batch, (CLIP_MODEL, world_size, max_norm),
+                          timeout=timeout)
+    norms = run_on_ranks(_clipping_case, world_size, args=(fn, CLIP_MODEL, CLIP_BUCKET, ref, max_norm),
+                         timeout=timeout, what="clip_sharded_grad_norm_")[0]
+    clipped = sum(n > max_norm for n in norms)
+    passed(f"clip_sharded_grad_norm_ gives the global norm on every rank and clips as torch.nn.utils.clip_grad_norm_ "
+           f"does ({world_size} ranks, {CLIP_MODEL}, max_norm {max_norm:g}: {clipped} of {len(norms)} steps clipped); "
+           "weights match torch.optim.AdamW")
+
+
+def try_stretch(fn, name="clip_sharded_grad_norm_"):
+    """The stretch's cell: check `fn` if the student defined it, print ✓ or the reason; never raise
+    (the cell is not graded, so a skipped or unfinished stretch costs nothing)."""
+    if fn is None:
+        print(f"· stretch not attempted: define {name} above and run this cell to have it checked "
+              "(no points either way)")
+        return False
+    try:
+        check_clipping(fn)
+    except AssertionError as exc:  # CheckFailed, or an assertion before the ranks start
+        print(f"✗ stretch: {str(exc).splitlines()[0]}")
+        return False
+    except Exception as exc:  # noqa: BLE001  (not graded: say what happened, never fail the cell)
+        print(f"✗ stretch: {type(exc).__name__}: {exc}")
+        return False
+    return True
 
 
 check_matches_adamw = alias(check_numerics, "check_matches_adamw", kind="model")
