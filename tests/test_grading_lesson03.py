@@ -12,9 +12,9 @@ message that names the problem, and pass the others: one bug costs its own point
 | one extra element per shard | shard_range | "smallest equal shards" |
 | full-size m and v, right numbers | memory | "as large as the whole model" |
 | all-reduce then slice | traffic | "all-reduced" |
-| reduce-scatter SUM, not AVG | numerics | "m (self.exp_avg" |
-| state copied, never persists | numerics | "m (self.exp_avg" |
-| step count stuck at 1 | numerics | "after step 2" |
+| reduce-scatter SUM, not AVG | numerics | "the reduce-scatter summed" |
+| state copied, never persists | numerics | "still all zeros" |
+| step count stuck at 1 | numerics | "step count t = 1" |
 | no all-gather | numerics, traffic | "only this rank's own shard", "no all-gather" |
 | data parallel in disguise | memory, traffic | "as large as the whole model", "all-reduced" |
 | a missing gradient taken as zeros (decay) | unused | "leaves it alone" |
@@ -266,9 +266,9 @@ class WrapsZeroKit(torch.optim.Optimizer):
 DEFECTS = {  # class -> {check that must fail: message fragment}; every other check must pass
     FullState: {"memory": "as large as the whole model"},
     AllReduceThenSlice: {"traffic": "all-reduced"},
-    SumNotMean: {"numerics": "m (self.exp_avg"},
-    StateNeverPersists: {"numerics": "m (self.exp_avg"},
-    StepCountStuck: {"numerics": "after step 2"},
+    SumNotMean: {"numerics": "the reduce-scatter summed the ranks' gradients"},
+    StateNeverPersists: {"numerics": "m (self.exp_avg, this rank's shard) after step 1 is still all zeros"},
+    StepCountStuck: {"numerics": "used the step count t = 1 in the bias correction"},
     NoAllGather: {"numerics": "only this rank's own shard", "traffic": "no all-gather"},
     DataParallelInDisguise: {"memory": "as large as the whole model", "traffic": "all-reduced"},
     DecaysUnused: {"unused": "had no gradient on any rank, so AdamW leaves it alone"},

@@ -208,6 +208,7 @@ def _numerics_case(rank, world_size, cls, name, steps, weight_decay, reference):
             named = dict(model.named_parameters())
             return torch.cat([named[n].detach().reshape(-1) for n in trainable]).clone()
 
+        prev = {"exp_avg": torch.zeros(end - start), "exp_avg_sq": torch.zeros(end - start)}  # AdamW's, last step
         for step in range(steps):
             before = flat_weights()
             _train_step(name, model, opt, step, rank, world_size)
@@ -217,6 +218,7 @@ def _numerics_case(rank, world_size, cls, name, steps, weight_decay, reference):
             after = f"after step {step + 1}"
             # the state first: it names the cause (a sum for a mean, state that does not persist)
             # where the weights would only say "differs"
+            state = {}
             for attr, ref, what in (("exp_avg", ref_m, "m"), ("exp_avg_sq", ref_v, "v")):
                 expected = torch.cat([ref, torch.zeros(pad)])[start:end]
                 mine = _own_state(opt, attr, psi, world_size, rank)
@@ -225,10 +227,11 @@ def _numerics_case(rank, world_size, cls, name, steps, weight_decay, reference):
                     assert_close(mine, expected, f"{what} (self.{attr}, this rank's shard) {after}",
                                  atol=1e-5 * scale + 1e-12, rtol=STATE_RTOL)
                 except AssertionError as exc:
-                    raise AssertionError(
-                        f"{exc}\n  (a wrong m or v can hide behind right weights for a while: Adam's step hardly "
-                        "depends on the gradient's scale. Is the reduce-scatter an average, ReduceOp.AVG? Do m "
-                        "and v persist from step to step, updated in place?)") from None
+                    cause = _state_cause(f"{what} (self.{attr}, this rank's shard) {after}", attr, mine, expected,
+                                         prev[attr], world_size)
+                    raise AssertionError(f"{cause}\n  {exc}") from None
+                state[attr] = expected
+            prev = state
             now = flat_weights()
             mask = torch.ones(psi, dtype=torch.bool)
             mask[start:min(end, psi)] = False
@@ -242,10 +245,57 @@ def _numerics_case(rank, world_size, cls, name, steps, weight_decay, reference):
                 try:
                     assert_close(named[n].detach(), ref_params[n], f"parameter {n} {after}")
                 except AssertionError as exc:
-                    raise AssertionError(
-                        f"{exc}\n  (m and v of your shard are right, so the gradient and the state are: look at "
-                        "the update itself, e.g. the step count t of the bias correction, lr, weight decay)") from None
+                    t = _step_count_used(before[start:min(end, psi)], now[start:min(end, psi)], state, step,
+                                         opt.param_groups[0] if opt.param_groups else {}, weight_decay)
+                    cause = (f"parameter {n} {after}: m and v of your shard are right, but the update used the step "
+                             f"count t = {t} in the bias correction, and AdamW's is {step + 1}: count the steps "
+                             "(+1 per step() that updates the parameter) and pass that count to adamw_update_"
+                             if t is not None else
+                             f"parameter {n} {after} differs, though m and v of your shard are right: the gradient "
+                             "and the state are, so look at the update itself (the step count t of the bias "
+                             "correction, lr, weight decay)")
+                    raise AssertionError(f"{cause}\n  {exc}") from None
     return psi
+
+
+def _state_cause(what, attr, mine, expected, previous, world_size):
+    """Why this rank's m or v differs from AdamW's, where its numbers say it (the first line of the reason)."""
+    beta = HYPER["betas"][0 if attr == "exp_avg" else 1]
+    power = 1 if attr == "exp_avg" else 2  # v squares the gradient
+    close = lambda a, b: bool(torch.allclose(a, b, rtol=1e-3, atol=1e-6 * float(b.abs().max()) + 1e-12))  # noqa: E731
+    if world_size > 1 and close(mine, world_size ** power * expected):
+        return (f"{what} is {world_size ** power} x AdamW's ({'N²' if power == 2 else 'N'}, N = {world_size}): "
+                "the reduce-scatter summed the ranks' gradients; the loss is a mean over the whole "
+                "batch, so average them (ReduceOp.AVG)")
+    if not bool(mine.abs().max() > 0) and bool(expected.abs().max() > 0):
+        return (f"{what} is still all zeros: your update changed a copy or a local name, not self.{attr} (`m = "
+                f"beta * m + ...` rebinds a name and leaves the stored state behind). Update self.{attr} in place "
+                "(mul_, add_, addcmul_, or adamw_update_ on a view of it)")
+    if bool(previous.abs().max() > 0) and close(mine, expected - beta * previous):
+        return (f"{what} holds only this step's gradient: m and v do not persist from step to step. Update "
+                f"self.{attr} in place (mul_, add_, addcmul_, or adamw_update_ on a view of it); `m = beta * m + ...` "
+                "or an update of a copy leaves the stored state behind")
+    return (f"{what} differs from AdamW's (a wrong m or v can hide behind right weights for a while: Adam's step "
+            "hardly depends on the gradient's scale. Is the reduce-scatter an average, ReduceOp.AVG? Do m and v "
+            "persist from step to step, updated in place?)")
+
+
+def _step_count_used(before, after, state, step, group, weight_decay, candidates=8):
+    """The step count t that AdamW's update from `before`, with this step's (right) m and v, needs to
+    give `after` on this rank's shard, if one other than step + 1 does; else None."""
+    lr, eps = HYPER["lr"], HYPER["eps"]
+    beta1, beta2 = HYPER["betas"]
+    m, v = state["exp_avg"][:before.numel()].double(), state["exp_avg_sq"][:before.numel()].double()
+    if not before.numel():
+        return None
+    for t in range(1, step + 1 + candidates):
+        if t == step + 1:
+            continue
+        guess = before.double() * (1 - lr * weight_decay) - lr / (1 - beta1 ** t) * m / (
+            v.sqrt() / (1 - beta2 ** t) ** 0.5 + eps)
+        if bool(torch.allclose(after.double(), guess, rtol=1e-5, atol=1e-6)):
+            return t
+    return None
 
 
 def check_numerics(cls, world_size=2, model="small-mlp", steps=4, weight_decay=0.01, timeout=60.0):

@@ -135,9 +135,14 @@ def _numerics_case(rank, world_size, cls, model_name, bucket_numel, ref):
         for bi, b in enumerate(buckets):
             label = bucket_label(bi, b, name_of)
             expected = state_shard(b, {n: g for n, g in want["grads"].items() if g is not None}, name_of)
-            assert_close(_grad_shards(opt, bi, label), expected,
-                         f"step {step + 1}: this rank's shard of the mean gradient of {label} "
-                         "(reduce-scatter with ReduceOp.AVG: the mean over ranks, not the sum)",
+            got = _grad_shards(opt, bi, label)
+            what = f"step {step + 1}: this rank's shard of the mean gradient of {label}"
+            if world_size > 1 and got.shape == expected.shape and bool(expected.abs().max() > 0) and \
+                    torch.allclose(got, world_size * expected, atol=1e-6, rtol=1e-4):
+                raise AssertionError(f"{what} is {world_size} x the mean (N = {world_size}): the reduce-scatter "
+                                     "summed the ranks' gradients; the loss is a mean over the whole batch, so "
+                                     "reduce-scatter with ReduceOp.AVG, the mean over ranks, not the sum")
+            assert_close(got, expected, f"{what} (reduce-scatter with ReduceOp.AVG: the mean over ranks, not the sum)",
                          atol=1e-6, rtol=1e-4)
         opt.step()
         opt.zero_grad()
@@ -448,9 +453,10 @@ def check_unused_parameters(cls, world_size=2, models=("edge", "branch"), bucket
         try:
             _run(_params_case, cls, world_size, (model, bucket_numel, ref), what, timeout)
         except CheckFailed as exc:
-            raise CheckFailed(f"{exc}\n  (every rank must issue the same reduce-scatters in the same order: buckets "
+            first, _, rest = str(exc).partition("\n")
+            raise CheckFailed(f"{first} (every rank must issue the same reduce-scatters in the same order: buckets "
                               "0, 1, 2, ... strictly in turn, and at the end of backward every bucket not sent yet, "
-                              "with zeros for the gradients that never came)") from None
+                              "with zeros for the gradients that never came)" + (f"\n{rest}" if rest else "")) from None
     passed(f"{cls.__name__} handles parameters without a gradient on {world_size} ranks ({', '.join(models)}): "
            f"no hang, weights match torch.optim.AdamW for {steps} steps")
 
