@@ -22,6 +22,11 @@ own slice of the batch, and looks at one thing:
                              (plain autograd in the worker is the yardstick), k reduce-scatters
                              per bucket, and the weights of AdamW on the whole batch.
 
+The optional stretch, ungraded: `check_clipping(fn)` runs the student's
+clip_sharded_grad_norm_(optimizer, max_norm) on zerokit.ZeRO2Adam against
+torch.nn.utils.clip_grad_norm_ and AdamW in one process; `try_stretch(fn)` is what the
+notebook's ungraded cell calls: it checks fn if defined and prints ✓ or the reason, never raising.
+
 The single-process reference (torch.optim.AdamW) runs before the ranks start, in a one-rank
 launch of its own (the harness forbids torch.optim.Adam/AdamW where the student's code runs,
 and the notebook's process may have rebound it), cached per configuration.
