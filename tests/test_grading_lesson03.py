@@ -394,3 +394,28 @@ def test_stretch_param_groups_is_checked_when_attempted_and_never_fails_its_cell
 def test_memory_check_refuses_two_ranks():
     with pytest.raises(ValueError, match="world_size >= 3"):
         lesson03.check_memory(Solution, world_size=2)
+
+
+def test_the_text_names_each_zoo_model_with_its_own_size():
+    """"mlp" had two sizes in this lesson (2,348 in "Try it", 1,267 in the tests, issue 18): the
+    cell that tries the student's class builds the zoo's models by name, the text above it names
+    them, and every "`name` ... Ψ = n" in the text is the zoo's Ψ for that name."""
+    import json
+    import re
+
+    from conftest import ROOT
+    from zerokit.models import MODELS, build_model, num_parameters
+
+    cells = json.loads((ROOT / "solutions" / "03_zero1" / "03_zero1.ipynb").read_text())["cells"]
+    text = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
+    sizes = re.findall(r"`([a-z-]+)`[^`$]{0,80}?\$\\Psi\$ = ([\d,]+)", text)
+    assert sizes, "the text names no zoo model with its size"
+    for name, size in sizes:
+        if name in MODELS:
+            assert num_parameters(build_model(name)) == int(size.replace(",", "")), (name, size)
+    i = next(i for i, c in enumerate(cells) if "def try_zero1(" in "".join(c["source"]))
+    code, above = "".join(cells[i]["source"]), "".join(cells[i - 1]["source"])
+    assert "OddMLP()" not in code, "Try it builds an unnamed model"
+    for name in re.findall(r'for name in \(([^)]*)\)', code)[0].replace('"', "").split(","):
+        if name.strip():
+            assert f"`{name.strip()}`" in above, f"Try it runs {name.strip()}, which the text above does not name"
