@@ -416,6 +416,6 @@ def test_the_text_names_each_zoo_model_with_its_own_size():
     i = next(i for i, c in enumerate(cells) if "def try_zero1(" in "".join(c["source"]))
     code, above = "".join(cells[i]["source"]), "".join(cells[i - 1]["source"])
     assert "OddMLP()" not in code, "Try it builds an unnamed model"
-    for name in re.findall(r'for name in \(([^)]*)\)', code)[0].replace('"', "").split(","):
+    for name in re.findall(r'names = \(([^)]*)\)', code)[0].replace('"', "").split(","):
         if name.strip():
             assert f"`{name.strip()}`" in above, f"Try it runs {name.strip()}, which the text above does not name"

@@ -581,6 +581,15 @@ def _unused_case(rank, world_size, cls, name, steps, weight_decay, reference):
     return True
 
 
+def _unused_cases(rank, world_size, cls, names, steps, weight_decay, references):
+    for name, reference in zip(names, references):
+        try:
+            _unused_case(rank, world_size, cls, name, steps, weight_decay, reference)
+        except AssertionError as exc:
+            raise AssertionError(f"{name}: {exc}") from None
+    return True
+
+
 def check_unused_parameters(cls, world_size=2, models=("edge", "branch"), weight_decay=0.1, steps=4, timeout=60.0):
     """Parameters without a gradient, as torch.optim.AdamW treats them: one that no rank has a gradient
     for is left alone (no weight decay, m and v unchanged, no step counted); one that some ranks have
@@ -588,11 +597,12 @@ def check_unused_parameters(cls, world_size=2, models=("edge", "branch"), weight
     ranks run a branch in turn: all of them, none, all, even ranks only."""
     __tracebackhide__ = True
     _check_class(cls)
-    for name in models:
-        hyper = {**HYPER, "weight_decay": weight_decay}
-        reference = adamw_reference(name, steps, hyper, _unused_backward, (name, world_size), timeout=timeout)
-        run_on_ranks(_unused_case, world_size, args=(cls, name, steps, weight_decay, reference), timeout=timeout,
-                     what=f"{cls.__name__} on {name}")
+    hyper = {**HYPER, "weight_decay": weight_decay}
+    references = [adamw_reference(name, steps, hyper, _unused_backward, (name, world_size), timeout=timeout)
+                  for name in models]
+    # one launch for every model: the ranks start once
+    run_on_ranks(_unused_cases, world_size, args=(cls, list(models), steps, weight_decay, references),
+                 timeout=timeout, what=f"{cls.__name__} on {', '.join(models)}")
     passed(f"{cls.__name__} treats parameters without a gradient as torch.optim.AdamW does on {world_size} ranks "
            f"({', '.join(models)}, weight decay {weight_decay:g}): weights and this rank's m, v shard after each of "
            f"{steps} steps")
