@@ -451,6 +451,7 @@ def check_unused_parameters(cls, world_size=2, models=("edge", "branch"), bucket
     """Parameters without a gradient (on every rank: "edge"; on odd ranks only: "branch")
     neither hang nor corrupt: the weights follow torch.optim.AdamW every step."""
     __tracebackhide__ = True
+    _validate(cls)  # a class that cannot be graded says so, without the rule below
     for model in models:
         ref = _reference(model, world_size, steps, 1, timeout)
         what = {"edge": f"{cls.__name__} on a model with an unused parameter",
@@ -458,10 +459,14 @@ def check_unused_parameters(cls, world_size=2, models=("edge", "branch"), bucket
         try:
             _run(_params_case, cls, world_size, (model, bucket_numel, ref), what, timeout)
         except CheckFailed as exc:
+            rule = ("every rank must issue the same reduce-scatters in the same order: buckets 0, 1, 2, ... strictly in "
+                    "turn, and at the end of backward every bucket not sent yet, with zeros for the gradients that "
+                    "never came")
             first, _, rest = str(exc).partition("\n")
-            raise CheckFailed(f"{first} (every rank must issue the same reduce-scatters in the same order: buckets "
-                              "0, 1, 2, ... strictly in turn, and at the end of backward every bucket not sent yet, "
-                              "with zeros for the gradients that never came)" + (f"\n{rest}" if rest else "")) from None
+            if first.startswith("your code raised"):  # the exception names the problem: the rule after it
+                raise CheckFailed(f"{exc}\n  ({rule})") from None
+            # a hang or wrong weights: the rule is the likely cause, so it joins the line the feedback shows
+            raise CheckFailed(f"{first} ({rule})" + (f"\n{rest}" if rest else "")) from None
     passed(f"{cls.__name__} handles parameters without a gradient on {world_size} ranks ({', '.join(models)}): "
            f"no hang, weights match torch.optim.AdamW for {steps} steps")
 
