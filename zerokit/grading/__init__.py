@@ -20,13 +20,17 @@ the student's code, under the same names, plus what only its lesson has:
                           check_traffic            one all-reduce of Ψ per step, no parameter broadcasts
     03 ZeRO-1             check_shard_range        exercise (a): equal padded shards, nothing dropped
                           check_numerics           weights and this rank's m, v shard vs AdamW
+                          check_unused_parameters  no gradient on any rank: left alone; on some: updated;
+                                                   a step count per parameter
                           check_memory             optimizer state ~ 8Ψ/N bytes per rank
                           check_traffic            reduce-scatter Ψ + all-gather Ψ, no all-reduce
+                          check_param_groups       stretch (ungraded, try_stretch): several param groups
     04 ZeRO-2             check_numerics           gradient shards, weights, m and v vs AdamW
                           check_memory             no full gradient survives backward
                           check_traffic            one reduce-scatter per bucket, in order, in backward
                           check_unused_parameters  parameters without a gradient: no hang, no corruption
-                          check_accumulation       several backward calls per step
+                          check_accumulation       several backward calls per step: the shards after each
+                          check_clipping           stretch (ungraded, try_stretch): clipping sharded gradients
     05 ZeRO-3             check_gather_free        exercise 1: gather into, and free, a unit's buffer
                           check_numerics           gradient shards, weights, m and v vs AdamW
                           check_memory             parameters 1/N at rest, each unit freed after use
