@@ -5,7 +5,7 @@ test_zero1_collectives 2, test_questions 2 (the stretch exercise's cell is not g
 Each defect is in one exercise and must cost only the checks meant to catch it.
 """
 
-from . import SOLUTION, Student, correct, full_marks, solution_with
+from . import SOLUTION, Student, correct, full_marks, solution_with, untouched
 
 LESSON = "03_zero1"
 KEEP = ("import zerokit",)  # the imports cell (it also picks the forkserver launcher)
@@ -92,12 +92,8 @@ DECAYS_UNUSED = solution_with("            if not has_grad[s.index]:\n          
 
 STUDENTS = [
     correct(LESSON, "shard_range", "zero1_class", "answers", "stretch_param_groups"),
-    # The released notebook with only the check-your-understanding answers filled in: every exercise's
-    # reason must name the stub (NotImplementedError). Left unanswered, the questions' reason is
-    # "no answer yet" instead (the no_answers student), and one fragment must fit every failed cell.
-    Student("untouched", "the released notebook, nothing filled in but the answers to the questions",
-            {**ZERO, "test_questions": FULL["test_questions"]}, reason="NotImplementedError",
-            cells={"answers": SOLUTION}),
+    # the stubs' reason and the questions' both ask whether the cell is still the stub
+    untouched(LESSON, "still the stub"),
     Student("no_answers", "every exercise solved, the check-your-understanding answers left as released",
             {**FULL, "test_questions": 0}, reason="no answer yet",
             cells={"shard_range": SOLUTION, "zero1_class": SOLUTION}),

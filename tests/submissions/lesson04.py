@@ -4,7 +4,7 @@ Points: test_matches_adamw 4, test_gradients_sharded 3, test_reduced_during_back
 test_unused_parameters 3, test_accumulation 2, test_questions 2 (the stretch exercise's cell is not graded).
 """
 
-from . import SOLUTION, Student, correct, full_marks, solution_with
+from . import SOLUTION, Student, correct, full_marks, solution_with, untouched
 
 LESSON = "04_zero2"
 KEEP = ("import zerokit",)  # the imports cell (it also picks the forkserver launcher)
@@ -20,12 +20,8 @@ KEEPS_FULL_GRADIENT = solution_with(
 
 STUDENTS = [
     correct(LESSON, "my_zero2", "answers", "stretch_clipping"),
-    # The released notebook with only the check-your-understanding answers filled in: every exercise's
-    # reason must name the stub (NotImplementedError). Left unanswered, the questions' reason is
-    # "no answer yet" instead (the no_answers student), and one fragment must fit every failed cell.
-    Student("untouched", "the released notebook, nothing filled in but the answers to the questions",
-            {**ZERO, "test_questions": FULL["test_questions"]}, reason="NotImplementedError",
-            cells={"answers": SOLUTION}),
+    # the stubs' reason and the questions' both ask whether the cell is still the stub
+    untouched(LESSON, "still the stub"),
     Student("no_answers", "the exercise solved, the check-your-understanding answers left as released",
             {**FULL, "test_questions": 0}, reason="no answer yet", cells={"my_zero2": SOLUTION}),
     # never freeing .grad costs the memory check, and accumulation too: each backward adds into the
