@@ -20,6 +20,7 @@ message that names the problem, and pass the others: one bug costs its own point
 | broadcast of the weights every step | traffic | "every step is not needed" |
 | calls torch.optim.AdamW | numerics, traffic | "torch.optim.AdamW" |
 | sums inside step(), no function | numerics | "the mean over the ranks, not the sum" |
+| AVG and divided by N inside step(), no function | numerics | "averaged twice" |
 | m and v under other keys of self.state[p] | numerics | "self.state[p]['exp_avg']" |
 | subclass of zerokit.DistributedAdam | every class check | "subclasses zerokit.DistributedAdam" |
 | the untouched student notebook | every check | "NotImplementedError" |
@@ -226,6 +227,18 @@ class SumsInline(Solution):
         Adam.step(self)
 
 
+class AveragesTwiceInline(Solution):
+    """Its own all-reduce in step(), ReduceOp.AVG and then divided by N: Adam's state sees 1/N of the mean."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for p in self.all_params():
+            if p.grad is not None:
+                dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+                p.grad.div_(dist.get_world_size())
+        Adam.step(self)
+
+
 class StateUnderOtherKeys(Solution):
     """Right, but m and v in self.state[p]["m"] / ["v"]: the check cannot compare them."""
 
@@ -256,6 +269,7 @@ DEFECTS = {  # class -> {check that must fail: message fragment}; every other ch
     BroadcastsEveryStep: {"traffic": "every step is not needed"},
     CallsTorchAdamW: {name: "torch.optim.AdamW" for name in CHECKS},
     SumsInline: {"numerics": "the mean over the ranks, not the sum"},
+    AveragesTwiceInline: {"numerics": "averaged twice"},
     StateUnderOtherKeys: {"numerics": "self.state[p]['exp_avg']"},
     SubclassesZeroKit: {name: "subclasses zerokit.DistributedAdam" for name in CHECKS},
 }

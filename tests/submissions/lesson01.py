@@ -76,7 +76,7 @@ STUDENTS = [
             cells={"my_adam": adam(update="p.addcdiv_(m, v.sqrt() + eps, value=-lr)  # BUG"),
                    "model_state_bytes": SOLUTION, "answers": SOLUTION}),
     Student("step_per_call", "t counts calls of step(), not this parameter's updates",
-            {**FULL, "test_adam_contract": 0}, reason="training does not continue as it would have",
+            {**FULL, "test_adam_contract": 0}, reason="each parameter's step count, must live in self.state[p]",
             cells={"my_adam": adam(count="= self.t  # BUG: one counter for the optimizer"),
                    "model_state_bytes": SOLUTION, "answers": SOLUTION}),
     Student("zero_grad_multiplies", "zero_grad as p.grad *= torch.zeros_like(p.grad)", {**FULL, "test_zero_grad": 0},

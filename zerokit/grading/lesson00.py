@@ -60,8 +60,11 @@ def _all_reduce_case(rank, world_size, fn, sizes):
         with CommCounter() as comm:
             out = _call(fn, x.clone())
         if tuple(out.shape) != tuple(x.shape):
+            why = ("did the padding stay in? Return only the first numel elements" if out.numel() > n else
+                   "only this rank's chunk? The all-gather brings every rank's chunk back" if out.numel() < n else
+                   "return it in the input's shape")
             raise AssertionError(f"for a tensor of {n} elements the result has shape {tuple(out.shape)}, "
-                                 f"expected {tuple(x.shape)} (did the padding stay in?)")
+                                 f"expected {tuple(x.shape)} ({why})")
         try:
             assert_close(out, expected, f"the sum of a {n}-element tensor over {world_size} ranks")
         except AssertionError as exc:

@@ -287,7 +287,7 @@ def _same(got, expected, step, setup, fix):
         try:
             assert_close(got[n], expected[n], f"parameter {n} after step {step + 1}")
         except AssertionError as exc:
-            raise AssertionError(f"{setup}: {exc}\n  ({fix})") from None
+            raise AssertionError(f"{setup} ({fix}): {exc}") from None
 
 
 def _groups(cls, kind, hyper):

@@ -234,6 +234,21 @@ def _first_replica_difference(flat):
 # numerics: replicas equal, and equal to torch.optim.AdamW on the whole batch
 
 
+def _wrong_scale(mine, ref, what, world_size):
+    """Why Adam's m or v differs, when the gradient it saw had the wrong scale; a general hint otherwise."""
+    power = 2 if what == "v" else 1  # v averages the square of the gradient
+    ratio = float((mine.double() * ref.double()).sum() / (ref.double() ** 2).sum().clamp_min(1e-300))
+    for factor, words in ((world_size ** power, f"{world_size ** power} x AdamW's: Adam stepped with the sum of the "
+                           "ranks' gradients where the mean over the ranks, not the sum, belongs (divide by N)"),
+                          (world_size ** -power, f"1/{world_size ** power} of AdamW's: the gradient you stepped "
+                           f"with was divided by N = {world_size} twice (averaged twice)")):
+        if abs(ratio - factor) < 1e-3 * factor:
+            return (f". Your {what} is {words}. Adam's weights hardly show a wrong scale (it is nearly "
+                    "scale-invariant); its m and v do")
+    return (". Adam's state sees the gradient you stepped with: is it the mean over the ranks, not the sum, "
+            "and averaged once?")
+
+
 def _numerics_case(rank, world_size, cls, name, steps, weight_decay, reference):
     with refusing(*NO_ZEROKIT_DDP):
         _use_reference_average(cls)
@@ -283,9 +298,8 @@ def _numerics_case(rank, world_size, cls, name, steps, weight_decay, reference):
                             assert_close(state[p][key], ref, f"{what} (state['{key}']) of {n} {after}",
                                          atol=1e-5 * scale + 1e-12, rtol=1e-4)
                         except AssertionError as exc:
-                            raise AssertionError(
-                                f"{exc}\n  (Adam's state sees the gradient you stepped with: is it the mean over "
-                                "the ranks, not the sum?)") from None
+                            raise AssertionError(f"{exc}{_wrong_scale(state[p][key], ref, what, world_size)}") \
+                                from None
                 assert_close(p.detach(), record["params"][n], f"parameter {n} {after}")
     return sum(p.numel() for _, p in trainable(model))
 
