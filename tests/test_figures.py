@@ -51,7 +51,8 @@ def test_lesson_01_runs_on_one_process_and_its_chart_says_so():
     nb = json.loads((ROOT / "solutions" / "01_adam" / "01_adam.ipynb").read_text())
     source = next("".join(c["source"]) for c in nb["cells"]
                   if c["cell_type"] == "code" and "memory_bars(" in "".join(c["source"]))
-    names = {"memory_bars": memory_bars, "psi": 1_744_776, "measured": {"fp32": LESSON01[0][1], "mixed": LESSON01[1][1]},
+    measured = {"fp32": LESSON01[0][1], "mixed": LESSON01[1][1]}
+    names = {"memory_bars": memory_bars, "psi": 1_744_776, "measured": measured,
              "model_state_bytes": lambda psi, p: {"total": 16 * psi}}
     exec(source, names)
     fig = plt.gcf()
