@@ -2,7 +2,7 @@
 
 collectives_figure()            who holds what before and after each collective
 partition_figure(world_size)    who holds what under data parallel and each ZeRO stage
-memory_bars(rows, title)        measured bytes per category beside theory
+memory_bars(rows, title)        measured bytes per category beside theory (legend outside)
 reshard_figure(numel, n, n2)    a flat buffer saved by n ranks, loaded by n2: who reads what (lesson 07)
 unit_state_figure()             ZeRO-3: the states of a unit's buffer, and what moves it between them
 """
@@ -99,12 +99,15 @@ def partition_figure(world_size=4):
     return fig
 
 
-def memory_bars(rows, title="bytes per rank", categories=("parameters", "gradients", "optimizer_states")):
+def memory_bars(rows, title="bytes per rank", categories=("parameters", "gradients", "optimizer_states"),
+                ylabel="MiB per rank"):
     """Stacked bars of measured bytes per category, with a marker at the theoretical total.
 
     rows: list of (label, measured: {category: bytes}, theory_total_bytes or None).
+    ylabel: what a bar measures ("MiB" where one process ran, not ranks).
+    The legend sits outside the axes, right of the bars, so it covers none of them.
     """
-    fig, ax = plt.subplots(figsize=(1.4 * len(rows) + 3, 4))
+    fig, ax = plt.subplots(figsize=(1.4 * len(rows) + 5, 4))
     for k, (label, measured, theory) in enumerate(rows):
         bottom = 0.0
         for c, color in zip(categories, _COLORS):
@@ -115,9 +118,9 @@ def memory_bars(rows, title="bytes per rank", categories=("parameters", "gradien
             ax.plot([k - 0.4, k + 0.4], [theory / 2**20] * 2, color="black", lw=2, ls="--",
                     label="theory" if k == 0 else None)
     ax.set_xticks(range(len(rows)), [r[0] for r in rows])
-    ax.set_ylabel("MiB per rank")
+    ax.set_ylabel(ylabel)
     ax.set_title(title)
-    ax.legend(frameon=False)
+    ax.legend(frameon=False, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     fig.tight_layout()
     return fig
 

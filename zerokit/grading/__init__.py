@@ -54,7 +54,7 @@ the student's code, under the same names, plus what only its lesson has:
 the `kind=` argument for `model=`, still work for a term: each module aliases them.)
 
 One bug costs one check. Each check looks at one thing, and where a check needs another
-exercise's piece it uses zerokit's reference for it (lesson 02's class checks use zerokit's
+exercise's piece it uses a reference for it (lesson 02's class checks use a reference
 average_gradients; lesson 05's hook checks use zerokit's gather and free; lesson 06's
 optimizer checks use zerokit's scaler; lesson 07's reads your checkpoint with zerokit's loader, and
 drives that loader with your map), so a student loses the points of the check meant to
