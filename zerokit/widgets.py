@@ -36,6 +36,16 @@ _STAGE_NAMES = {"ddp": "data parallel", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "z
 PRESETS = {"ZeRO paper: 7.5B on 64 GPUs": (7.5e9, 64), "GPT-3: 175B on 1024 GPUs": (175e9, 1024),
            "a 7B model on 8 GPUs": (7e9, 8)}
 GB = 1e9  # the paper's gigabytes (decimal), as its 120 GB / 31.4 / 16.6 / 1.9 GB are
+# Ψ on a log scale, 1M to 1T, through exact values (a FloatLogSlider rounds its exponent to its
+# step, and 7.5e9 would come back as 7.585e9: the bytes shown would not be the paper's)
+PSI_STEPS = sorted({m * 10**k for k in range(6, 12) for m in (1, 1.5, 2, 3, 5, 7, 7.5)} | {175e9, 1e12})
+
+
+def _psi_label(psi):
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6)):
+        if psi >= size:
+            return f"{psi / size:g}{unit}"
+    return f"{psi:g}"
 
 
 def progress(iterable=None, desc=None, total=None):
@@ -202,7 +212,8 @@ def memory_calculator(psi=7.5e9, world_size=64, stage="zero3", precision="mixed"
     import ipywidgets as w
 
     presets = w.Dropdown(options=["(your own)", *PRESETS], description="preset")
-    psi_w = w.FloatLogSlider(value=psi, base=10, min=6, max=12, step=0.01, description="Ψ", readout_format=".3g")
+    steps = sorted(set(PSI_STEPS) | {psi})
+    psi_w = w.SelectionSlider(options=[(_psi_label(v), v) for v in steps], value=psi, description="Ψ")
     n_w = w.IntSlider(value=world_size, min=1, max=1024, description="N (ranks)", continuous_update=False)
     stage_w = w.ToggleButtons(options=[(_STAGE_NAMES[s], s) for s in STAGES], value=stage, description="stage")
     prec_w = w.ToggleButtons(options=["fp32", "mixed"], value=precision, description="precision")
