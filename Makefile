@@ -16,6 +16,9 @@ SUBMISSIONS ?= submitted
 LESSON      ?=
 PYTEST_ARGS ?=
 
+# the browser test (tests/test_browser.py) drives the system's Chromium
+CHROMIUM    ?= /usr/bin/chromium
+
 BIN   := $(VENV)/bin
 STAMP := $(VENV)/.zerokit-installed
 # one stamp per torch choice: changing TORCH_SPEC or TORCH_INDEX installs again
@@ -45,14 +48,28 @@ $(STAMP): pyproject.toml $(TORCH_STAMP)
 
 setup: $(STAMP)
 
+# Chromium comes from the system's packages (a browser downloaded by a test tool would not
+# run on every machine): installed here when missing and we may, else the one command to run.
+$(CHROMIUM):
+	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  echo "installing Chromium for the browser test: apt-get install chromium"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+	else \
+	  echo "The browser test needs Chromium. Run:  sudo apt-get install chromium   (or make test CHROMIUM=/path/to/it)"; \
+	  exit 1; \
+	fi
+
+# JupyterLab refuses to run as root unless told (a container's user often is root)
+ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
+
 lab: setup
-	$(BIN)/jupyter lab --ServerApp.root_dir=lessons --port=$(PORT)
+	$(BIN)/jupyter lab --ServerApp.root_dir=lessons --port=$(PORT) $(ALLOW_ROOT)
 
 demo: setup
 	$(BIN)/python -m zerokit.bench.demo
 
-test: setup
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+test: setup $(CHROMIUM)
+	ZEROKIT_CHROMIUM=$(CHROMIUM) $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 lessons: setup
 	$(BIN)/python -m zerokit.grading.lessons generate
@@ -64,4 +81,4 @@ bench: setup
 	$(BIN)/python -m zerokit.bench
 
 clean:
-	rm -rf $(if $(filter .venv,$(VENV)),$(VENV)) .pytest_cache gradebook.db autograded feedback release grades.csv bench-results
+	rm -rf $(if $(filter .venv,$(VENV)),$(VENV)) .pytest_cache gradebook.db autograded feedback release grades.csv bench-results test-artifacts

@@ -10,6 +10,7 @@ names the problem, and pass the others: one bug costs its own points only.
 | no bias correction | numerics | "WITHOUT bias correction" |
 | L2 added to the gradient (torch.optim.Adam's weight_decay) | numerics | "torch.optim.Adam with weight_decay" |
 | eps inside the square root | numerics | "eps belongs outside" |
+| weight decay after the Adam step | numerics | "weight decay after the Adam step" |
 | m rebound, never stored (`m = beta1 * m + ...`) | numerics | "still all zeros" |
 | one step count per group, not per parameter | contract | "count steps per parameter" |
 | lr read once in __init__ | contract | "two param groups" |
@@ -99,7 +100,7 @@ class Broken(torch.optim.Optimizer):
                     state.update(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
                 state["step"] = group["step"] if bug("step_per_group") else state["step"] + 1
                 t, m, v = state["step"], state["exp_avg"], state["exp_avg_sq"]
-                if not bug("l2"):
+                if not bug("l2") and not bug("decay_after"):
                     p.mul_(1 - lr * wd)
                 if bug("m_rebound"):
                     m = b1 * m + (1 - b1) * g
@@ -109,6 +110,8 @@ class Broken(torch.optim.Optimizer):
                 c1, c2 = (1.0, 1.0) if bug("no_bias_correction") else (1 - b1**t, 1 - b2**t)
                 denom = (v / c2 + eps).sqrt() if bug("eps_inside_sqrt") else (v / c2).sqrt() + eps
                 p.addcdiv_(m / c1, denom, value=-lr)
+                if bug("decay_after"):
+                    p.mul_(1 - lr * wd)
                 if bug("calls_adamw"):
                     torch.optim.AdamW([p], lr=0.0)
         return None
@@ -177,6 +180,7 @@ DEFECTS = [  # (class, {check that must fail: message fragment}); every other ch
     (broken("no_bias_correction"), {"numerics": "WITHOUT bias correction"}),
     (broken("l2"), {"numerics": "torch.optim.Adam with weight_decay"}),
     (broken("eps_inside_sqrt"), {"numerics": "eps belongs outside"}),
+    (broken("decay_after"), {"numerics": "weight decay after the Adam step"}),
     (broken("m_rebound"), {"numerics": "still all zeros"}),
     (broken("step_per_group"), {"contract": "count steps per parameter"}),
     (broken("lr_from_init"), {"contract": "two param groups"}),
@@ -210,6 +214,10 @@ def test_hidden_configurations_catch_the_same_bugs():
           betas=(0.8, 0.95), eps=1e-4, weight_decay=0.1, match="eps belongs outside")
     fails(lesson01.check_numerics, broken("l2"), model="edge", steps=20, weight_decay=0.1,
           match="torch.optim.Adam with weight_decay")
+    for model, hyper in (("transformer", dict(steps=30, lr=3e-3, betas=(0.8, 0.95), eps=1e-4, weight_decay=0.1)),
+                         ("edge", dict(steps=20, weight_decay=0.1))):
+        fails(lesson01.check_numerics, broken("decay_after"), model=model, match="weight decay after the Adam step",
+              **hyper)
     fails(lesson01.check_numerics, broken("m_rebound"), model="mlp", steps=10, weight_decay=0.0,
           match="still all zeros")
     fails(lesson01.check_contract, broken("lr_from_init"), model="transformer", lr=3e-3, betas=(0.8, 0.95),
@@ -244,3 +252,67 @@ def total_not_the_sum(psi, precision="fp32"):
 ])
 def test_model_state_bytes_defects(fn, match):
     fails(lesson01.check_memory, fn, match=match)
+
+
+# ---------------------------------------------------------------------------------------
+# the optional exercise: a loss curve (no points; checked when attempted, never raises)
+
+
+def _curve(make_optimizer, steps=60, *, after=False, accumulate=False, seed=0):
+    import torch.nn.functional as F
+
+    from zerokit.models import OddMLP, make_batch
+
+    torch.manual_seed(seed)
+    model = OddMLP()
+    opt = make_optimizer(model.parameters())
+    losses = []
+    x, y = make_batch("mlp", 12, seed=0)
+    for step in range(steps):
+        loss = F.mse_loss(model(x), y)
+        if not after:
+            losses.append(loss.item())
+        loss.backward()
+        opt.step()
+        if not accumulate:
+            opt.zero_grad()
+        if after:
+            losses.append(F.mse_loss(model(x), y).item())
+    return losses
+
+
+def curve_right(make_optimizer, steps=60):
+    return _curve(make_optimizer, steps)
+
+
+def curve_after_step(make_optimizer, steps=60):
+    return _curve(make_optimizer, steps, after=True)
+
+
+def curve_accumulates(make_optimizer, steps=60):
+    return _curve(make_optimizer, steps, accumulate=True)
+
+
+def curve_other_seed(make_optimizer, steps=60):
+    return _curve(make_optimizer, steps, seed=1)
+
+
+def curve_stub(make_optimizer, steps=60):
+    raise NotImplementedError()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("fn, said", [
+    (curve_right, "✓"),
+    (None, "skipped"),
+    (curve_stub, "skipped"),
+    (curve_after_step, "after"),
+    (curve_accumulates, "zero_grad"),
+    (curve_other_seed, "before the first step"),
+], ids=lambda v: getattr(v, "__name__", str(v)))
+def test_the_optional_loss_curve_is_checked_when_attempted_and_never_raises(fn, said, capsys):
+    ok = lesson01.check_loss_curve(fn)
+    out = capsys.readouterr().out
+    assert said in out, out
+    assert ok is (fn is curve_right)
+    assert out.startswith("✓") == (fn is curve_right) and ("✗" in out) == (said not in ("✓", "skipped")), out

@@ -11,6 +11,7 @@ message that names the problem, and pass the others: one bug costs its own point
 | no all-reduce | average | "own micro-batch gradient" |
 | zeros for a gradient that is None | average | "Leave it None" |
 | all-reduce twice | average | "expected all-reduces of Ψ" |
+| averaged twice (ReduceOp.AVG, then divided by N) | average | "averaged twice" |
 | zerokit.ddp.average_gradients | average | "zerokit.ddp.average_gradients itself" |
 | sums, and patches torch.Tensor.any | average | "replaced torch.Tensor.any" |
 | step() never averages | numerics, traffic | "drifted apart", "no all-reduce" |
@@ -19,6 +20,7 @@ message that names the problem, and pass the others: one bug costs its own point
 | broadcast of the weights every step | traffic | "every step is not needed" |
 | calls torch.optim.AdamW | numerics, traffic | "torch.optim.AdamW" |
 | sums inside step(), no function | numerics | "the mean over the ranks, not the sum" |
+| AVG and divided by N inside step(), no function | numerics | "averaged twice" |
 | m and v under other keys of self.state[p] | numerics | "self.state[p]['exp_avg']" |
 | subclass of zerokit.DistributedAdam | every class check | "subclasses zerokit.DistributedAdam" |
 | the untouched student notebook | every check | "NotImplementedError" |
@@ -133,9 +135,19 @@ def twice(params):
         g.div_(dist.get_world_size())
 
 
+@torch.no_grad()
+def averages_twice(params):
+    """ReduceOp.AVG, and then divided by N as well: 1/N of the mean."""
+    grads = _grads(params)
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, op=dist.ReduceOp.AVG)
+    _copy_back(grads, flat.div_(dist.get_world_size()))
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("fn, model, match", [
     (sums, "small-mlp", "summed"),
+    (averages_twice, "small-mlp", "averaged twice"),
     (reduces_a_copy, "small-mlp", "own micro-batch gradient"),
     (zeros_for_none, "edge", "Leave it None"),
     (twice, "small-mlp", "expected all-reduces of Ψ"),
@@ -215,6 +227,18 @@ class SumsInline(Solution):
         Adam.step(self)
 
 
+class AveragesTwiceInline(Solution):
+    """Its own all-reduce in step(), ReduceOp.AVG and then divided by N: Adam's state sees 1/N of the mean."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for p in self.all_params():
+            if p.grad is not None:
+                dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+                p.grad.div_(dist.get_world_size())
+        Adam.step(self)
+
+
 class StateUnderOtherKeys(Solution):
     """Right, but m and v in self.state[p]["m"] / ["v"]: the check cannot compare them."""
 
@@ -245,6 +269,7 @@ DEFECTS = {  # class -> {check that must fail: message fragment}; every other ch
     BroadcastsEveryStep: {"traffic": "every step is not needed"},
     CallsTorchAdamW: {name: "torch.optim.AdamW" for name in CHECKS},
     SumsInline: {"numerics": "the mean over the ranks, not the sum"},
+    AveragesTwiceInline: {"numerics": "averaged twice"},
     StateUnderOtherKeys: {"numerics": "self.state[p]['exp_avg']"},
     SubclassesZeroKit: {name: "subclasses zerokit.DistributedAdam" for name in CHECKS},
 }
@@ -286,3 +311,50 @@ def test_hidden_configurations_catch_the_same_bugs():
     fails(lesson02.check_numerics, NoBroadcast, world_size=3, model="edge", match="right after")
     fails(lesson02.check_traffic, BroadcastsEveryStep, world_size=3, model="edge",
           match="every step is not needed")
+
+
+# ---------------------------------------------------------------------------------------
+# what the passing checks print, and what the notebook's "Try it" shows
+
+
+@pytest.mark.timeout(90)
+def test_the_same_model_is_reported_with_the_same_psi(capsys):
+    """edge has 745 trainable elements, 39 of them in a layer no forward uses: every check says
+    Ψ = 745, and what its counters saw beside it."""
+    lesson02.check_average_gradients(average, world_size=2, model="edge")
+    lesson02.check_numerics(Solution, world_size=2, model="edge", steps=2)
+    lesson02.check_traffic(Solution, world_size=2, model="edge")
+    out = capsys.readouterr().out
+    assert out.count("Ψ = 745") == 3, out
+    assert "Ψ = 706" not in out, out
+
+
+@pytest.mark.timeout(60)
+def test_the_traffic_check_counts_the_gradient_and_says_so(capsys):
+    """A class that averages as the exercise asks moves exactly Ψ = 1267 elements of small-mlp per step."""
+    lesson02.check_traffic(Solution, world_size=2, model="small-mlp")
+    out = capsys.readouterr().out
+    assert "1267 elements" in out and "1271" not in out, out
+
+
+@pytest.mark.timeout(90)
+def test_the_try_it_shows_a_gradient_of_the_wrong_scale():
+    """Adam hardly notices a gradient N times too large in the weights (1.3e-5 after 3 steps): the
+    "Try it" cell must show it in m as well."""
+    import json
+
+    import zerokit
+    from conftest import ROOT, source_module
+
+    nb = json.loads((ROOT / "solutions" / LESSON / f"{LESSON}.ipynb").read_text())
+    source = next("".join(c["source"]) for c in nb["cells"] if "def try_ddp(" in "".join(c["source"]))
+    module = source_module("try_ddp", source.split("\nfor rank")[0],
+                           PRELUDE + "import zerokit\nfrom zerokit.models import OddMLP, make_batch\n")
+    shown = {}
+    for name, cls in (("right", Solution), ("sums", SumsInline)):
+        module.MyDistributedAdam = cls
+        shown[name] = zerokit.launch(module.try_ddp, 2, args=(3,), launcher="forkserver", backend="gloo",
+                                     timeout=60, echo=False)[0]
+    # the cell returns (weights' difference, m's relative difference, replicas equal)
+    assert len(shown["right"]) == 3, shown
+    assert shown["right"][1] < 1e-3 and shown["sums"][1] > 0.5, shown

@@ -12,11 +12,15 @@ message that names the problem, and pass the others: one bug costs its own point
 | one extra element per shard | shard_range | "smallest equal shards" |
 | full-size m and v, right numbers | memory | "as large as the whole model" |
 | all-reduce then slice | traffic | "all-reduced" |
-| reduce-scatter SUM, not AVG | numerics | "m (self.exp_avg" |
-| state copied, never persists | numerics | "m (self.exp_avg" |
-| step count stuck at 1 | numerics | "after step 2" |
+| reduce-scatter SUM, not AVG | numerics | "the reduce-scatter summed" |
+| state copied, never persists | numerics | "still all zeros" |
+| step count stuck at 1 | numerics | "step count t = 1" |
 | no all-gather | numerics, traffic | "only this rank's own shard", "no all-gather" |
 | data parallel in disguise | memory, traffic | "as large as the whole model", "all-reduced" |
+| a missing gradient taken as zeros (decay) | unused | "leaves it alone" |
+| one step count for every parameter | unused | "step count per parameter" |
+| skips on this rank's own .grad | unused | "not from this rank's .grad" |
+| full flat gradient kept as an attribute | memory | "self.flat_grad" (not "allocate m and v") |
 | subclass of zerokit.ZeRO1Adam | every class check | "subclasses zerokit.ZeRO1Adam" |
 | wraps zerokit.ZeRO1Adam | every class check | "used zerokit's ZeRO1Adam" |
 | calls torch.optim.AdamW | numerics, memory, traffic | "torch.optim.AdamW" |
@@ -61,6 +65,8 @@ CHECKS = {
     "numerics": lambda cls: lesson03.check_numerics(cls, world_size=2, model="small-mlp"),
     "memory": lambda cls: lesson03.check_memory(cls, world_size=4, model="wide-mlp"),
     "traffic": lambda cls: lesson03.check_traffic(cls, world_size=2, model="small-mlp"),
+    "unused": lambda cls: lesson03.check_unused_parameters(cls, world_size=2, models=("edge", "branch"),
+                                                           weight_decay=0.1),
 }
 
 
@@ -122,32 +128,56 @@ FullState = EXAMPLES.FullState  # right numbers, but m and v for the whole model
 CallsTorchAdamW = EXAMPLES.CallsTorchAdamW  # hands its shard to torch.optim.AdamW
 
 
+def _has_grad(self, agreed=True):
+    """A flag per parameter: has a gradient on some rank (agreed), or on this rank only."""
+    flags = torch.tensor([p.grad is not None for p in self.bucket.params], dtype=torch.uint8)
+    if agreed:
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    return flags.tolist()
+
+
+def _adam_by_segment(self, param_shard, grad_shard, m, v, has_grad, step=None, one_count=False):
+    """The solution's update: AdamW on each segment of the shard whose parameter has a gradient."""
+    group = self.param_groups[0]
+    if one_count:  # one step count for every parameter
+        self.count = getattr(self, "count", 0) + 1
+    for s in self.bucket.segments:
+        if not has_grad[s.index]:
+            continue
+        self.steps[s.index] += 1
+        t = step or (self.count if one_count else self.steps[s.index])
+        lo, hi = s.shard_lo, s.shard_hi
+        adamw_update_(param_shard[lo:hi], grad_shard[lo:hi], m[lo:hi], v[lo:hi], t, lr=group["lr"],
+                      beta1=group["betas"][0], beta2=group["betas"][1], eps=group["eps"],
+                      weight_decay=group["weight_decay"])
+
+
 class AllReduceThenSlice(Solution):
     """Right numbers, sharded state, but the whole gradient is all-reduced."""
 
     @torch.no_grad()
     def step(self, closure=None):
-        group, b = self.param_groups[0], self.bucket
+        b = self.bucket
         flat_grad = b.flatten([p.grad for p in b.params])
         dist.all_reduce(flat_grad)
         flat_grad /= self.world_size
-        self.steps += 1
-        adamw_update_(b.shard(self.flat_params), b.shard(flat_grad), self.exp_avg, self.exp_avg_sq, self.steps,
-                      lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1],
-                      eps=group["eps"], weight_decay=group["weight_decay"])
+        _adam_by_segment(self, b.shard(self.flat_params), b.shard(flat_grad), self.exp_avg, self.exp_avg_sq,
+                         _has_grad(self))
         dist.all_gather_single(self.flat_params, b.shard(self.flat_params))
 
 
-def _step_with(self, op=dist.ReduceOp.AVG, state=lambda t: t, step=None, gather=True):
+def _step_with(self, op=dist.ReduceOp.AVG, state=lambda t: t, step=None, gather=True, agreed=True,
+               skip=True, one_count=False):
     """The solution's step with one thing changed."""
-    group, b = self.param_groups[0], self.bucket
+    b = self.bucket
     flat_grad = b.flatten([p.grad for p in b.params])
     grad_shard = torch.empty(b.shard_numel)
     dist.reduce_scatter_single(grad_shard, flat_grad, op=op)
-    self.steps += 1
-    adamw_update_(b.shard(self.flat_params), grad_shard, state(self.exp_avg), state(self.exp_avg_sq),
-                  step or self.steps, lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1],
-                  eps=group["eps"], weight_decay=group["weight_decay"])
+    has_grad = _has_grad(self, agreed)
+    if not skip:  # every parameter updated, as if a missing gradient were a zero one
+        has_grad = [True] * len(has_grad)
+    _adam_by_segment(self, b.shard(self.flat_params), grad_shard, state(self.exp_avg), state(self.exp_avg_sq),
+                     has_grad, step, one_count)
     if gather:
         dist.all_gather_single(self.flat_params, b.shard(self.flat_params))
 
@@ -168,6 +198,26 @@ class NoAllGather(Solution):
     step = torch.no_grad()(lambda self, closure=None: _step_with(self, gather=False))
 
 
+class DecaysUnused(Solution):
+    """Updates every parameter, a missing gradient taken as zeros: weight decay (and momentum) where
+    AdamW leaves the parameter alone. What the lesson's text used to lead to (issue 18)."""
+
+    step = torch.no_grad()(lambda self, closure=None: _step_with(self, skip=False))
+
+
+class OneStepCount(Solution):
+    """Skips parameters without a gradient, but keeps one step count for all of them."""
+
+    step = torch.no_grad()(lambda self, closure=None: _step_with(self, one_count=True))
+
+
+class SkipsOnLocalGradient(Solution):
+    """Decides what to skip from this rank's .grad: a parameter some other rank has a gradient for is
+    not updated in this rank's shard."""
+
+    step = torch.no_grad()(lambda self, closure=None: _step_with(self, agreed=False))
+
+
 class DataParallelInDisguise(Solution):
     """Plain data parallel Adam behind ZeRO-1's names: full state, all-reduce, every rank updates all."""
 
@@ -181,10 +231,22 @@ class DataParallelInDisguise(Solution):
         group, b = self.param_groups[0], self.bucket
         flat_grad = b.flatten([p.grad for p in b.params])
         dist.all_reduce(flat_grad, op=dist.ReduceOp.AVG)
-        self.steps += 1
-        adamw_update_(self.flat_params, flat_grad, self.exp_avg, self.exp_avg_sq, self.steps,
-                      lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1],
-                      eps=group["eps"], weight_decay=group["weight_decay"])
+        for i, has in enumerate(_has_grad(self)):
+            if has:
+                self.steps[i] += 1
+                lo, hi = b.offsets[i], b.offsets[i] + b.numels[i]
+                adamw_update_(self.flat_params[lo:hi], flat_grad[lo:hi], self.exp_avg[lo:hi], self.exp_avg_sq[lo:hi],
+                              self.steps[i], lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1],
+                              eps=group["eps"], weight_decay=group["weight_decay"])
+
+
+class KeepsFlatGradient(Solution):
+    """m and v shard-sized, but the full flat gradient kept in an attribute between steps."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.flat_grad = self.bucket.flatten([p.grad for p in self.bucket.params])
+        return super().step(closure)
 
 
 class SubclassesZeroKit(zerokit.ZeRO1Adam):
@@ -204,21 +266,31 @@ class WrapsZeroKit(torch.optim.Optimizer):
 DEFECTS = {  # class -> {check that must fail: message fragment}; every other check must pass
     FullState: {"memory": "as large as the whole model"},
     AllReduceThenSlice: {"traffic": "all-reduced"},
-    SumNotMean: {"numerics": "m (self.exp_avg"},
-    StateNeverPersists: {"numerics": "m (self.exp_avg"},
-    StepCountStuck: {"numerics": "after step 2"},
+    SumNotMean: {"numerics": "the reduce-scatter summed the ranks' gradients"},
+    StateNeverPersists: {"numerics": "m (self.exp_avg, this rank's shard) after step 1 is still all zeros"},
+    StepCountStuck: {"numerics": "used the step count t = 1 in the bias correction"},
     NoAllGather: {"numerics": "only this rank's own shard", "traffic": "no all-gather"},
     DataParallelInDisguise: {"memory": "as large as the whole model", "traffic": "all-reduced"},
+    DecaysUnused: {"unused": "had no gradient on any rank, so AdamW leaves it alone"},
+    OneStepCount: {"unused": "needs a step count per parameter"},
+    SkipsOnLocalGradient: {"unused": "not from this rank's .grad"},
+    KeepsFlatGradient: {"memory": "self.flat_grad"},
     SubclassesZeroKit: {name: "subclasses zerokit.ZeRO1Adam" for name in CHECKS},
     WrapsZeroKit: {name: "used zerokit's ZeRO1Adam" for name in CHECKS},
     CallsTorchAdamW: {name: "torch.optim.AdamW" for name in CHECKS},
 }
 
 
+# A wrong Adam (state that never persists, a step count stuck at 1) changes the size of every
+# update, and without the all-gather the other ranks' shards never change; the unused-parameters
+# check compares weights with AdamW too, so it may see that as well.
+MAY_ALSO_FAIL = {StateNeverPersists: {"unused"}, StepCountStuck: {"unused"}, NoAllGather: {"unused"}}
+
+
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("cls", list(DEFECTS), ids=lambda c: c.__name__)
 def test_each_defect_fails_exactly_its_checks(cls, capsys):
-    fails_exactly(CHECKS, cls, DEFECTS[cls], capsys)
+    fails_exactly(CHECKS, cls, DEFECTS[cls], capsys, may_also_fail=MAY_ALSO_FAIL.get(cls, ()))
 
 
 @pytest.mark.timeout(30)
@@ -231,8 +303,119 @@ def test_hidden_configurations_catch_the_same_bugs():
     fails(lesson03.check_memory, FullState, world_size=3, model="transformer", match="whole model")
     fails(lesson03.check_traffic, AllReduceThenSlice, world_size=3, model="edge", weight_decay=0.0,
           match="all-reduced")
+    for cls, match in ((DecaysUnused, "leaves it alone"), (OneStepCount, "step count per parameter"),
+                       (SkipsOnLocalGradient, "not from this rank's .grad")):
+        fails(lesson03.check_unused_parameters, cls, world_size=3, models=("branch", "edge"), weight_decay=0.05,
+              steps=5, match=match)
+
+
+# ---------------------------------------------------------------------------------------
+# issue 18: parameters without a gradient, and param groups
+
+
+def _one_step_on_edge(rank, world_size, cls):
+    """One step with weight decay on EdgeCaseNet, whose `unused` layer never gets a gradient."""
+    from zerokit.models import build_model, model_batch, model_loss
+
+    model = build_model("edge")
+    before = model.unused.weight.detach().clone()
+    opt = cls(model.parameters(), lr=1e-2, weight_decay=0.1)
+    x, y = model_batch("edge", 4, rank)
+    model_loss("edge", model(x), y).backward()
+    opt.step()
+    return torch.equal(model.unused.weight.detach(), before)
+
+
+@pytest.mark.timeout(30)
+def test_the_solution_leaves_a_parameter_without_gradient_alone():
+    """AdamW skips a parameter that no rank has a gradient for: no weight decay either (lesson 01)."""
+    from conftest import run_ranks
+
+    assert run_ranks(_one_step_on_edge, 2, Solution) == [True, True]
+
+
+def _two_groups(rank, world_size, cls):
+    from zerokit.models import build_model
+
+    model = build_model("small-mlp")
+    first, second = model.layers
+    try:
+        cls([{"params": first.parameters()}, {"params": second.parameters(), "weight_decay": 0.0}], lr=1e-2,
+            weight_decay=0.1)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.timeout(30)
+def test_the_exercise_refuses_several_param_groups_with_a_clear_error():
+    """One flat buffer, one set of hyperparameters: a second group would be silently ignored, so the
+    scaffold refuses it and points to the stretch exercise, which handles it."""
+    from conftest import run_ranks
+
+    for reason in run_ranks(_two_groups, 2, Solution):
+        assert reason is not None and "one param group" in reason and "stretch" in reason, reason
+
+
+@pytest.mark.timeout(30)
+def test_a_kept_full_gradient_is_named_not_blamed_on_m_and_v(capsys):
+    """m and v were shard-sized: the reason names what is full-size instead of saying
+    "allocate m and v with the shard's size" (issue 18)."""
+    reason = fails(CHECKS["memory"], KeepsFlatGradient, match="self.flat_grad")
+    assert "Allocate m and v" not in reason, reason
+
+
+# the stretch exercise: several param groups, checked when attempted and worth no points
+STRETCH = notebook_code("solutions", ["stretch_param_groups"]).MyZeRO1AdamGroups
+
+
+class FirstGroupOnly(STRETCH):
+    """Accepts several groups but updates every parameter with the first group's settings."""
+
+    def __init__(self, params, **kw):
+        super().__init__(params, **kw)
+        self.group_of = [0] * len(self.group_of)
+
+
+@pytest.mark.timeout(60)
+def test_stretch_param_groups_is_checked_when_attempted_and_never_fails_its_cell(capsys):
+    lesson03.check_param_groups(STRETCH)
+    assert capsys.readouterr().out.startswith("✓")
+    fails(lesson03.check_param_groups, FirstGroupOnly, match="its own group's settings")
+    fails(lesson03.check_param_groups, Solution, match="one param group")  # the exercise's class refuses them
+    assert lesson03.try_stretch(None) is False
+    assert "not attempted" in capsys.readouterr().out
+    assert lesson03.try_stretch(FirstGroupOnly) is False
+    out = capsys.readouterr().out
+    assert out.strip().splitlines()[-1].startswith("✗ stretch:") and "its own group's settings" in out
+    assert lesson03.try_stretch(STRETCH) is True
 
 
 def test_memory_check_refuses_two_ranks():
     with pytest.raises(ValueError, match="world_size >= 3"):
         lesson03.check_memory(Solution, world_size=2)
+
+
+def test_the_text_names_each_zoo_model_with_its_own_size():
+    """"mlp" had two sizes in this lesson (2,348 in "Try it", 1,267 in the tests, issue 18): the
+    cell that tries the student's class builds the zoo's models by name, the text above it names
+    them, and every "`name` ... Ψ = n" in the text is the zoo's Ψ for that name."""
+    import json
+    import re
+
+    from conftest import ROOT
+    from zerokit.models import MODELS, build_model, num_parameters
+
+    cells = json.loads((ROOT / "solutions" / "03_zero1" / "03_zero1.ipynb").read_text())["cells"]
+    text = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
+    sizes = re.findall(r"`([a-z-]+)`[^`$]{0,80}?\$\\Psi\$ = ([\d,]+)", text)
+    assert sizes, "the text names no zoo model with its size"
+    for name, size in sizes:
+        if name in MODELS:
+            assert num_parameters(build_model(name)) == int(size.replace(",", "")), (name, size)
+    i = next(i for i, c in enumerate(cells) if "def try_zero1(" in "".join(c["source"]))
+    code, above = "".join(cells[i]["source"]), "".join(cells[i - 1]["source"])
+    assert "OddMLP()" not in code, "Try it builds an unnamed model"
+    for name in re.findall(r'names = \(([^)]*)\)', code)[0].replace('"', "").split(","):
+        if name.strip():
+            assert f"`{name.strip()}`" in above, f"Try it runs {name.strip()}, which the text above does not name"

@@ -215,7 +215,9 @@ VISIBLE = {
 
 # bug -> {check it must fail: a fragment of the reason}; it must pass every other check
 BUGS = {
-    KeepsFullGradient: {"memory": ".grad is still set"},
+    # never freeing .grad also breaks accumulation: each backward adds into the last one's .grad,
+    # so k micro-batches sum to k*g1 + (k-1)*g2 + ... (issue 18)
+    KeepsFullGradient: {"memory": ".grad is still set", "accumulation": ".grad is still set"},
     FreesLate: {"memory": "was still alive"},
     AllReduceKeepSlice: {"traffic": "all-reduce"},
     AllReduceKeepView: {"memory": "view into a buffer", "traffic": "all-reduce"},
@@ -253,3 +255,58 @@ def test_zerokit_zero2_under_another_name_fails_every_check(cls, fragment, capsy
 @pytest.mark.parametrize("bug", list(BUGS), ids=lambda b: b.__name__)
 def test_each_bug_fails_exactly_its_check(bug, capsys):
     fails_exactly(VISIBLE, bug, BUGS[bug], capsys, may_also_fail=MAY_ALSO_FAIL.get(bug, ()), timeout=SHORT_TIMEOUT)
+
+
+# ---------------------------------------------------------------------------------------
+# the stretch exercise: clipping sharded gradients, checked when attempted and worth no points
+
+clip_solution = exercise_module("04_zero2", "solutions", ["my_zero2", "stretch_clipping"]).clip_sharded_grad_norm_
+
+
+def _shards(opt):
+    return [g for g in opt.grad_shards if g is not None]
+
+
+def clip_local_norm(opt, max_norm):
+    """This rank's shards only: no all-reduce."""
+    norm = float(torch.sqrt(sum((g ** 2).sum() for g in _shards(opt))))
+    for g in _shards(opt):
+        g.mul_(min(1.0, max_norm / (norm + 1e-6)))
+    return norm
+
+
+def clip_sum_of_norms(opt, max_norm):
+    """The ranks' norms added, not their squares."""
+    norm = torch.sqrt(sum((g ** 2).sum() for g in _shards(opt)))
+    dist.all_reduce(norm)
+    for g in _shards(opt):
+        g.mul_(min(1.0, max_norm / (float(norm) + 1e-6)))
+    return float(norm)
+
+
+def clip_never(opt, max_norm):
+    """The right norm, and no clipping."""
+    sq = sum((g ** 2).sum() for g in _shards(opt))
+    dist.all_reduce(sq)
+    return float(sq.sqrt())
+
+
+def clip_with_zerokit(opt, max_norm):
+    return float(opt.clip_grad_norm_(max_norm))
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_stretch_clipping_is_checked_when_attempted_and_never_fails_its_cell(capsys):
+    lesson04.check_clipping(clip_solution)
+    assert capsys.readouterr().out.startswith("✓")
+    for fn, fragment in ((clip_local_norm, "this rank's shards only"), (clip_sum_of_norms, "sum of the ranks' norms"),
+                         (clip_never, "must be scaled by max_norm"), (clip_with_zerokit, "write the clipping yourself")):
+        with pytest.raises(lesson04.CheckFailed) as info:
+            lesson04.check_clipping(fn)
+        assert fragment in str(info.value), (fn.__name__, str(info.value))
+    capsys.readouterr()
+    assert lesson04.try_stretch(None) is False and "not attempted" in capsys.readouterr().out
+    assert lesson04.try_stretch(clip_never) is False
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("✗ stretch:")
+    assert lesson04.try_stretch(clip_solution) is True

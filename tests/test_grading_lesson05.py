@@ -23,6 +23,7 @@ from zerokit.comm import all_gather
 from zerokit.grading import lesson05
 from zerokit.zero3 import ShardedParameters
 from conftest import fails_every_check, fails_exactly, outcome
+from zerokit.grading.harness import CheckFailed
 
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTION = ROOT / "solutions" / "05_zero3" / "05_zero3.ipynb"
@@ -128,6 +129,22 @@ class FreshBuffer(Sharded):
 
     def _gather_buffer(self, bi, shard):
         return torch.empty(self.buckets[bi].padded_numel, dtype=shard.dtype)
+
+
+class KeepsUnusedPrefetch(Sharded):
+    """_free waits for a prefetch nobody used and forgets it, but leaves its buffer's memory
+    allocated (the text once read that way): a unit skipped by a data-dependent branch keeps
+    a full-size buffer alive between steps."""
+
+    @torch.no_grad()
+    def _free(self, bi):
+        if bi in self._gathering:
+            self._gathering.pop(bi)[0].wait()  # BUG: no resize_(0) of the prefetch's buffer
+        if self._full[bi] is not None:
+            for p in self.buckets[bi].params:
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            self._full[bi].untyped_storage().resize_(0)
+            self._full[bi] = None
 
 
 class StashesFullCopy(Sharded):
@@ -277,6 +294,7 @@ MECHANICS_BUGS = {
     DropsReferencesOnly: {"gather_free": "release it in place"},
     FreshBuffer: {"gather_free": "Gather into the same buffer every time"},
     StashesFullCopy: {"gather_free": "something keeps a copy of the gathered weights"},
+    KeepsUnusedPrefetch: {"gather_free": "a prefetch nobody used"},
 }
 HOOK_BUGS = {
     NeverFrees: {"memory": "free each unit's parameters in its forward post-hook"},
@@ -335,3 +353,32 @@ def test_hooks_are_graded_apart_from_the_mechanics(capsys):
 @pytest.mark.parametrize("bug", list(HOOK_BUGS), ids=lambda b: b.__name__)
 def test_each_hook_bug_fails_exactly_its_check(bug, capsys):
     fails_exactly(VISIBLE_HOOKS, bug, HOOK_BUGS[bug], capsys, timeout=SHORT_TIMEOUT)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+def test_an_unused_prefetch_in_a_real_step_is_caught_on_the_branch_model():
+    """Under zerokit's hooks, BranchNet's second step skips its unit `branch`: the unit
+    prefetched for it is never used, and its buffer must hold no memory between steps (the
+    part of check_gather_free after the bucket-by-bucket one)."""
+    with pytest.raises(CheckFailed) as info:
+        lesson05.run_on_ranks(lesson05._skipped_unit_case, 2, args=(KeepsUnusedPrefetch,), timeout=SHORT_TIMEOUT)
+    assert "skipped its unit `branch`" in str(info.value) and "a prefetch nobody used" in str(info.value), info.value
+    lesson05.run_on_ranks(lesson05._skipped_unit_case, 2, args=(Sharded,), timeout=SHORT_TIMEOUT)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+def test_a_passing_traffic_check_states_only_what_was_measured(capsys):
+    """A ZeRO-3 that never frees after forward moves 2Ψ: it may pass the traffic check (the
+    memory check fails it), but the ✓ must not claim backward gathers or prefetches that did
+    not happen."""
+    lesson05.check_traffic(NeverFrees, world_size=2, model="mlp", timeout=SHORT_TIMEOUT)
+    said = capsys.readouterr().out
+    assert said.startswith("✓"), said
+    assert "in forward and backward" not in said, said
+    assert "no all-gather in backward" in said, said
+    lesson05.check_traffic(Solution, world_size=2, model="mlp", timeout=SHORT_TIMEOUT)
+    said = capsys.readouterr().out
+    assert "+ 2348 in backward" in said and "3.00Ψ per step" in said, said
+    assert "2 of 2 units in forward, 2 of 2 in backward" in said, said

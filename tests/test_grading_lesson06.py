@@ -14,6 +14,8 @@ with a message naming the problem, and pass the others: one bug costs its own po
 | the scale never grows | schedule | "grow by growth_factor" |
 | masters kept in 16 bits | numerics | "must be fp32" |
 | update applied to the 16-bit parameters | numerics | "did not change" |
+| master copied after the cast to 16 bits | numerics | "hold the weights rounded to" |
+| frozen parameters left in fp32 | numerics | "frozen ones too" |
 | optimizer steps on an overflow step | overflow step | "nothing may change" |
 | the untouched student notebook | every check | "NotImplementedError" |
 """
@@ -55,8 +57,13 @@ SCALER_CHECKS = {
     "overflow": lambda cls: lesson06.check_overflow_agreed(cls, world_size=2),
     "schedule": lambda cls: lesson06.check_scale_schedule(cls, world_size=2),
 }
+def _numerics_visible(cls):
+    lesson06.check_numerics(cls, world_size=2, model="mlp", dtype="bf16")
+    lesson06.check_numerics(cls, world_size=2, model="edge", dtype="bf16")  # frozen, tied, unused parameters
+
+
 OPTIMIZER_CHECKS = {
-    "numerics": lambda cls: lesson06.check_numerics(cls, world_size=2, model="mlp", dtype="bf16"),
+    "numerics": _numerics_visible,
     "overflow_step": lambda cls: lesson06.check_overflow_step(cls, world_size=2, model="mlp"),
 }
 
@@ -150,6 +157,21 @@ def _step(self, on_half=False, ignore_skip=False):
     return None
 
 
+class MastersAfterCast(Optimizer):
+    def __init__(self, params, dtype=torch.bfloat16, **kw):
+        super().__init__(params, dtype=dtype, **kw)
+        self.masters = [p.detach().float() for p in self.params]  # BUG: copied after the cast, the rounded weights
+
+
+class FrozenLeftFp32(Optimizer):
+    def __init__(self, params, dtype=torch.bfloat16, **kw):
+        params = list(params)
+        super().__init__(params, dtype=dtype, **kw)
+        for p in params:
+            if not p.requires_grad:
+                p.data = p.data.float()  # BUG: only the trainable parameters were made 16-bit
+
+
 class UpdatesHalfParams(Optimizer):
     step = torch.no_grad()(lambda self, closure=None: _step(self, on_half=True))  # BUG: no master in the loop
 
@@ -167,6 +189,8 @@ DEFECTS = {  # class -> {check that must fail: message fragment}; the exercise's
     NeverGrows: {"schedule": "grow by growth_factor"},
     HalfMasters: {"numerics": "must be fp32"},
     UpdatesHalfParams: {"numerics": "did not change"},
+    MastersAfterCast: {"numerics": "hold the weights rounded to"},
+    FrozenLeftFp32: {"numerics": "frozen ones too"},
     StepsAnyway: {"overflow_step": "nothing may change"},
 }
 
@@ -184,5 +208,9 @@ def test_hidden_configurations_catch_the_same_bugs():
     fails(lesson06.check_unscale, MultipliesByScale, world_size=3, match="times the scale")
     fails(lesson06.check_numerics, HalfMasters, world_size=3, model="transformer", dtype="fp16", steps=3,
           match="must be fp32")
+    fails(lesson06.check_numerics, FrozenLeftFp32, world_size=3, model="edge", dtype="fp16", steps=3,
+          match="frozen ones too")
+    fails(lesson06.check_numerics, MastersAfterCast, world_size=3, model="transformer", dtype="fp16", steps=3,
+          match="hold the weights rounded to")
     fails(lesson06.check_overflow_step, StepsAnyway, world_size=3, model="transformer", inject_at=2,
           match="nothing may change")

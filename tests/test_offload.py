@@ -1,9 +1,10 @@
 """zerokit.offload: the optimizer state in memory-mapped files (lesson 08).
 
-One process: a DiskTensor writes through its views, keeps its values across release(),
-and release() takes its pages out of the process's resident memory; PeakResident sees a
-whole-state load that a chunked one avoids; clear errors for offload="cpu" without a GPU and
-for unknown options.
+One rank (PeakRSS and settled_resident_bytes change malloc's settings for their process): a
+DiskTensor writes through its views, keeps its values across release(), and release() takes
+its pages out of the process's resident memory; PeakRSS sees a whole-state load that a chunked
+one avoids. One process: clear errors for offload="cpu" without a GPU, unknown options, and a
+checkpoint of an offloaded optimizer.
 
 Two gloo ranks: offload="disk" on ZeRO-1, 2 and 3, in fp32 and in bf16 mixed precision (the
 fp32 master goes to disk too), is bit-identical to the same optimizer in memory, weights and
@@ -25,43 +26,50 @@ import zerokit
 from conftest import run_ranks
 from zerokit.mixed_precision import MixedPrecision
 from zerokit.models import OddMLP, build_model, model_batch, model_loss
-from zerokit.memory import PeakResident, resident_bytes, settled_resident_bytes, steady_malloc
+from zerokit.memory import PeakRSS, resident_bytes, settled_resident_bytes
 from zerokit.offload import DiskTensor, Offload, offload_place, offload_theory_bytes
 from zerokit.reference import rank_slice
 
 MiB = 2**20
 
 
-def test_disk_tensor_writes_through_and_releases_its_pages(tmp_path):
+def _disk_tensor_case(rank, world_size, folder):
     n = 16 * MiB // 4
-    t = DiskTensor(tmp_path / "m.f32", n)
+    t = DiskTensor(os.path.join(folder, "m.f32"), n)
     before = settled_resident_bytes()
     t[0:n].fill_(3.0)  # every page touched: 16 MiB resident
     touched = resident_bytes()
     t.release(0, n)
     released = resident_bytes()
-    assert touched - before >= 15 * MiB and touched - released >= 15 * MiB, (before, touched, released)
-    assert float(t[n - 1:n].item()) == 3.0 and torch.equal(t.read(), torch.full((n,), 3.0))  # still in the file
+    out = {"touched": touched - before, "released": touched - released,
+           "kept": float(t[n - 1:n].item()) == 3.0 and torch.equal(t.read(), torch.full((n,), 3.0))}
     x = torch.randn(1000)
-    u = DiskTensor(tmp_path / "x.f32", 1000, init=x)
-    assert torch.equal(u.read(), x)
+    u = DiskTensor(os.path.join(folder, "x.f32"), 1000, init=x)
+    out["init"] = torch.equal(u.read(), x)
+    v = DiskTensor(os.path.join(folder, "v.f32"), 2 * n)
+    with PeakRSS() as chunked:
+        for a in range(0, 2 * n, 1 << 18):
+            v[a:a + (1 << 18)].add_(1.0)
+            v.release(a, a + (1 << 18))
+    with PeakRSS() as whole:
+        v[0:2 * n].add_(1.0)
+        v.release(0, 2 * n)
+    out.update(chunked=chunked.bytes, whole=whole.bytes)
+    for d in (t, u, v):
+        d.close()
+    return out
+
+
+@pytest.mark.distributed
+def test_disk_tensor_writes_through_releases_its_pages_and_streams(tmp_path):
+    r = run_ranks(_disk_tensor_case, 1, str(tmp_path))[0]
+    assert r["touched"] >= 15 * MiB and r["released"] >= 15 * MiB, r
+    assert r["kept"] and r["init"], r  # the values are in the file, not in the pages released
+    assert r["chunked"] < 4 * MiB and r["whole"] > 30 * MiB, r
+    u = DiskTensor(tmp_path / "y.f32", 10)
     with pytest.raises(TypeError, match="contiguous chunks"):
         u[::2]
-    t.close(), u.close()
-
-
-def test_peak_resident_sees_a_whole_load_and_not_a_chunked_one(tmp_path):
-    n = 32 * MiB // 4
-    t = DiskTensor(tmp_path / "v.f32", n)
-    with PeakResident() as chunked:
-        for a in range(0, n, 1 << 18):
-            t[a:a + (1 << 18)].add_(1.0)
-            t.release(a, a + (1 << 18))
-    with PeakResident() as whole:
-        t[0:n].add_(1.0)
-        t.release(0, n)
-    assert chunked.rise < 4 * MiB and whole.rise > 30 * MiB, (chunked.rise, whole.rise)
-    t.close()
+    u.close()
 
 
 def test_clear_errors():
@@ -74,6 +82,20 @@ def test_clear_errors():
     assert Offload(chunk_mb=0.001).chunk_numel == os.sysconf("SC_PAGE_SIZE") // 4  # at least a page
     t = offload_theory_bytes(7.5e9, "zero3", 64, "mixed")
     assert t["device"] == 4 * 7.5e9 / 64 and t["offloaded"] == 12 * 7.5e9 / 64
+
+
+def _checkpoint_refused(rank, world_size, folder):
+    net = build_model("mlp")
+    opt = zerokit.ZeRO2Adam(net.parameters(), lr=1e-3, offload=Offload(directory=folder))
+    try:
+        opt.state_shards()
+    except NotImplementedError as exc:
+        return str(exc)
+
+
+@pytest.mark.distributed
+def test_an_offloaded_optimizer_says_it_cannot_be_checkpointed(tmp_path):
+    assert "cannot be checkpointed" in run_ranks(_checkpoint_refused, 1, str(tmp_path))[0]
 
 
 # --------------------------------------------------------------------------------------
@@ -148,14 +170,14 @@ def _resident(rank, world_size, stage, offload):
     opt = zerokit.ZeRO3Adam(net, lr=1e-3, offload=offload) if stage == 3 else zerokit.ZeRO2Adam(
         net.parameters(), lr=1e-3, offload=offload)
     torch.nn.functional.mse_loss(net(x), y).backward()
-    with PeakResident() as peak:
+    with PeakRSS() as peak:
         opt.step()
     opt.zero_grad()
-    return {"psi": psi, "held": settled_resident_bytes() - start, "peak_rise": peak.rise}
+    return {"psi": psi, "held": settled_resident_bytes() - start, "peak_rise": peak.bytes}
 
 
 def _resident_all(rank, world_size):
-    steady_malloc()
+    settled_resident_bytes()  # from here on large blocks are mappings of their own: RSS follows the tensors
     _resident(rank, world_size, 2, "disk")  # the first step of a process allocates for good (gloo, threads)
     return {(stage, off): _resident(rank, world_size, stage, off) for stage in (2, 3) for off in (None, "disk")}
 

@@ -66,7 +66,11 @@ def test_every_lesson_has_graded_cells_with_points_and_hidden_tests():
 PACKAGE = ROOT / "zerokit"
 # what a student reads beside the lessons, and the small instruments the lessons measure with
 COURSE_MODULES = {"adam", "ddp", "flat", "zero1", "zero2", "zero3", "mixed_precision", "activations", "offload",
-                  "comm", "memory", "models", "reference", "figures"}
+                  "comm", "memory", "models", "reference", "figures", "widgets"}
+# a lesson whose reference needs more than one file gets a package of its own (its __init__
+# is the reference, the rest are its parts)
+COURSE_PACKAGES = {"checkpoint"}
+COURSE = COURSE_MODULES | COURSE_PACKAGES
 WINGS = {"launcher", "grading", "bench"}
 
 
@@ -98,13 +102,13 @@ def test_the_top_level_holds_the_course_and_the_machinery_lives_in_wings():
     top = {p.stem for p in PACKAGE.glob("*.py")} - {"__init__"}
     dirs = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
     assert top == COURSE_MODULES, f"top-level modules beyond the course: {sorted(top - COURSE_MODULES)}"
-    assert dirs == WINGS
+    assert dirs == WINGS | COURSE_PACKAGES
 
 
 def test_no_import_circle_and_the_course_never_imports_the_machinery():
     graph = _module_imports()
     for module, deps in graph.items():
-        if module.split(".")[1:2] and module.split(".")[1] in COURSE_MODULES:
+        if module.split(".")[1:2] and module.split(".")[1] in COURSE:
             wings = sorted(d for d in deps if d.split(".")[1:2] and d.split(".")[1] in WINGS)
             assert not wings, f"{module} (a course module) imports the machinery: {wings}"
     # depth-first search for a cycle; `from . import x` inside a package names the package

@@ -35,5 +35,14 @@ def test_a_wrong_answer_is_named_and_the_right_one_is_not_printed():
     ([1], "must be a dict"),
 ])
 def test_unfinished_or_malformed_answers_say_why(answers, fragment):
+    """(an answer cell left as released is named as the stub, as an exercise left as released is)"""
     with pytest.raises(CheckFailed, match=fragment):
         questions.check(answers, {"a": questions.digest(1)})
+
+
+def test_an_answer_cell_left_as_released_is_the_stub():
+    with pytest.raises(CheckFailed, match="still the stub"):
+        questions.check({"a": ..., "b": ...}, {"a": questions.digest(1), "b": questions.digest(2)})
+    with pytest.raises(CheckFailed) as info:
+        questions.check({"a": 1, "b": ...}, {"a": questions.digest(1), "b": questions.digest(2)})
+    assert "no answer yet for b" in str(info.value) and "stub" not in str(info.value)

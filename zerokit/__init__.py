@@ -8,6 +8,7 @@ The course, one module per idea, in lesson order (each a small step from the las
     zero2            04  ZeRO-2: gradients reduce-scattered in buckets during backward
     zero3            05  ZeRO-3: ShardedParameters (gather, free) under ZeRO3Adam (the hooks)
     mixed_precision  06  16-bit compute, fp32 masters, the loss scaler, for every stage
+    checkpoint       07  sharded checkpoints: save, load on any N and stage, consolidate
     activations      08  what autograd saves, counted and in closed form; recomputation
     offload          08  the optimizer state in memory-mapped files or pinned host memory
 
@@ -31,6 +32,7 @@ from .offload import Offload
 from .zero1 import ZeRO1Adam
 from .zero2 import ZeRO2Adam
 from .zero3 import ZeRO3Adam
+from . import checkpoint  # lesson 07: zerokit.checkpoint.save / load / consolidate
 
 __version__ = "0.1.0"
 

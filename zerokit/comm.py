@@ -28,6 +28,7 @@ send exactly the ring figure, but reduce-scatter sends as much as an all-reduce,
 reduce-scatter is a true ring.
 """
 
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -35,7 +36,8 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["CommCounter", "WireCounter", "CollectiveCall", "theory_volume", "reduce_scatter", "all_gather"]
+__all__ = ["CommCounter", "WireCounter", "CollectiveCall", "theory_volume", "trace_step", "reduce_scatter",
+           "all_gather"]
 
 # the public spelling changed in torch 2.13: *_tensor is deprecated in favour of *_single
 reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -50,6 +52,7 @@ class CollectiveCall:
     numel: int  # elements of the full tensor: all-reduced, reduce-scattered (input), gathered (output)
     element_size: int
     world_size: int
+    time: float | None = None  # when it was issued (CommCounter(clock=...)), else None
 
     @property
     def volume(self) -> int:
@@ -119,11 +122,17 @@ def _group_size(args):
 
 
 class CommCounter(TorchDispatchMode):
-    """Record every collective issued inside the `with` block (op, elements, bytes)."""
+    """Record every collective issued inside the `with` block (op, elements, bytes).
 
-    def __init__(self):
+    clock: a function of no arguments (time.perf_counter) to time-stamp each call as it is
+    issued; the order and the phase a call falls in are what such a trace shows, since the
+    counter itself slows every tensor operation down.
+    """
+
+    def __init__(self, clock=None):
         super().__init__()
         self.calls: list[CollectiveCall] = []
+        self.clock = clock
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -132,7 +141,7 @@ class CommCounter(TorchDispatchMode):
             op, idx = _C10D[name]
             if idx is not None:
                 numel, esize = _numel(args[idx])
-                self.calls.append(CollectiveCall(op, numel, esize, _group_size(args)))
+                self.calls.append(CollectiveCall(op, numel, esize, _group_size(args), self._now()))
         elif ns == "_c10d_functional" and name in _FUNCTIONAL:
             op = _FUNCTIONAL[name]
             numel, esize = _numel(args[0])
@@ -140,8 +149,11 @@ class CommCounter(TorchDispatchMode):
                 dist.get_world_size() if dist.is_initialized() else 1)
             if op == "all_gather":
                 numel *= group_size  # the functional form takes the input shard
-            self.calls.append(CollectiveCall(op, numel, esize, group_size))
+            self.calls.append(CollectiveCall(op, numel, esize, group_size, self._now()))
         return func(*args, **kwargs)
+
+    def _now(self):
+        return self.clock() if self.clock else None
 
     def reset(self):
         self.calls.clear()
@@ -169,6 +181,29 @@ class CommCounter(TorchDispatchMode):
             row["volume_bytes"] += c.volume_bytes
             row["sent_bytes"] += c.sent_bytes
         return dict(out)
+
+
+def trace_step(model, optimizer, batch, loss_fn):
+    """One training step (forward, backward, step, zero_grad) with every collective time-stamped.
+
+    Returns {"phases": [(name, start, end)], "calls": [(op, elements, issued at)]}, times in
+    ms from the start of forward: what zerokit.widgets.step_timeline draws. Run it on every
+    rank (inside zerokit.launch), after a first step has set up the optimizer's state.
+    """
+    x, y = batch
+    clock = time.perf_counter
+    with CommCounter(clock=clock) as comm:
+        t0 = clock()
+        loss = loss_fn(model(x), y)
+        t1 = clock()
+        loss.backward()
+        t2 = clock()
+        optimizer.step()
+        optimizer.zero_grad()
+        t3 = clock()
+    ms = lambda t: (t - t0) * 1e3  # noqa: E731
+    return {"phases": [("forward", 0.0, ms(t1)), ("backward", ms(t1), ms(t2)), ("step", ms(t2), ms(t3))],
+            "calls": [(c.op, c.numel, ms(c.time)) for c in comm.calls]}
 
 
 class WireCounter:

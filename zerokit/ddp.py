@@ -29,6 +29,8 @@ def broadcast_parameters(params, group=None):
     """Copy rank 0's values into every rank's parameters, so all replicas start equal."""
     src = dist.get_global_rank(group, 0) if group is not None else 0
     for p in params:
+        if getattr(p, "zerokit_placeholder", False):  # lesson 07: no values yet (zerokit.checkpoint.placeholders)
+            continue
         dist.broadcast(p.data, src=src, group=group)
 
 

@@ -26,23 +26,20 @@ activations autograd saved for backward) are invisible to it; on a GPU,
 `MemoryProbe` takes a census at many points of a training step (after each module's
 forward, as gradients arrive, around the optimizer step) and keeps the peak per category,
 where it was seen, and the census right after the step (model state at rest).
-
-The process as the system sees it (lesson 08): `resident_bytes()` is the process's RSS, the
-pages it holds in RAM whatever holds them (memory-mapped files included), and `PeakResident`
-its peak inside a block, from the kernel's high-water mark; `steady_malloc()` and
-`settled_resident_bytes()` make two RSS readings differ by what is really held.
+`PeakRSS` measures what no census sees: the highest resident memory of the whole process
+inside a block (tensors, numpy arrays, Python bytes, file buffers alike), from the kernel's
+own high-water mark (lesson 07: the peak while saving and loading a checkpoint). Lesson 08
+compares the resident memory of two runs at rest, `settled_resident_bytes()`: offloading the
+optimizer state to disk changes pages, not tensors the census could count.
 """
 
-import ctypes
 import gc
-import mmap
-import re
 from collections import defaultdict
 
 import torch
 
-__all__ = ["CATEGORIES", "theory_bytes", "census", "MemoryProbe", "format_bytes", "resident_bytes",
-           "settled_resident_bytes", "steady_malloc", "PeakResident"]
+__all__ = ["CATEGORIES", "theory_bytes", "census", "MemoryProbe", "PeakRSS", "resident_bytes",
+           "settled_resident_bytes", "format_bytes"]
 
 CATEGORIES = ("parameters", "gradients", "optimizer_states", "other")
 STAGES = ("ddp", "zero1", "zero2", "zero3")
@@ -260,73 +257,103 @@ class MemoryProbe:
 
 
 # ---------------------------------------------------------------------------------------
-# the process as the operating system sees it (lesson 08): resident memory, whatever holds it
-# (tensors, memory-mapped files, the allocator's reserves). census() counts tensors; RSS
-# counts pages, which is what offloading to disk changes.
+# lesson 07: the peak of the whole process, from the kernel
 
 
-def resident_bytes():
-    """This process's resident memory now (RSS): pages of it in RAM, mapped file pages included."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * mmap.PAGESIZE
+class PeakRSS:
+    """The peak resident memory of this process inside the block, above what it held on entry.
 
+        with PeakRSS() as peak:
+            zerokit.checkpoint.save(path, model, opt)
+        peak.bytes        # the highest RSS inside the block minus the RSS at its start
 
-def steady_malloc():
-    """Make resident memory follow the live tensors: from now on glibc's malloc serves every
-    block of 128 KiB or more with a mapping of its own, returned to the system when freed.
+    Linux keeps a high-water mark of every process's resident memory (VmHWM in
+    /proc/self/status) and resets it to the current RSS when "5" is written to
+    /proc/self/clear_refs: so this sees every allocation, however short-lived (a tensor, a
+    numpy array, a bytes object, a file's buffer), with no sampling. It counts a page once it
+    is touched, which is what memory costs.
 
-    By default glibc raises that threshold after each large free (up to 32 MiB), so later
-    blocks come from heaps it keeps after a free, and the same program's RSS differs by
-    megabytes from run to run. Call it first thing in a process that measures RSS.
+    One caveat makes it exact: C's malloc keeps freed memory for reuse, so an allocation inside
+    the block could reuse pages freed before it and never show. On entry, large blocks are
+    made to come from (and go back to) the kernel directly (mallopt: every allocation over
+    64 KiB is its own mapping, returned when freed), and what malloc holds unused is
+    trimmed. This setting stays for the rest of the process: use it in a measuring process
+    (a rank of zerokit.launch), not where speed matters. `bytes` is None where the kernel
+    offers no such counter (not Linux).
     """
-    libc = _libc()
-    m_mmap_threshold = -3  # from malloc.h; setting it also turns the dynamic threshold off
-    if not libc.mallopt(m_mmap_threshold, 128 * 1024):
-        raise RuntimeError("mallopt(M_MMAP_THRESHOLD) refused")
 
-
-def _libc():
-    try:
-        return ctypes.CDLL("libc.so.6")
-    except OSError as exc:
-        raise RuntimeError(f"measuring resident memory precisely needs glibc (Linux): {exc}") from None
-
-
-def settled_resident_bytes():
-    """resident_bytes() once what is garbage is gone: Python's cycles collected, and the
-    memory the C allocator keeps for reuse after a free handed back to the system
-    (glibc's malloc_trim), so that two measurements differ by what is really held."""
-    gc.collect()
-    _libc().malloc_trim(0)
-    return resident_bytes()
-
-
-def _high_water_mark():
-    with open("/proc/self/status") as f:
-        return int(re.search(r"VmHWM:\s+(\d+) kB", f.read()).group(1)) * 1024
-
-
-class PeakResident:
-    """The peak of this process's resident memory inside the `with` block, from the kernel's
-    own high-water mark (reset on entry through /proc/self/clear_refs; Linux only).
-
-        with PeakResident() as peak:
-            opt.step()
-        peak.rise   # bytes above the resident memory at entry, at the highest point
-    """
+    _configured = False
 
     def __enter__(self):
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")  # resets VmHWM to the current RSS
-        except OSError as exc:
-            raise RuntimeError(f"cannot reset the peak resident memory (/proc/self/clear_refs: {exc}); "
-                               "PeakResident needs Linux") from None
-        self.start = resident_bytes()
+        self.bytes = None
+        gc.collect()
+        self._start = _prepare_peak() if self._configure() else None
         return self
 
     def __exit__(self, *exc):
-        self.peak = _high_water_mark()
-        self.end = resident_bytes()
-        self.rise = self.peak - self.start
+        if self._start is not None:
+            peak = _status_kib("VmHWM")
+            self.bytes = max(0, peak - self._start) * 1024
         return False
+
+    @classmethod
+    def _configure(cls):
+        if cls._configured:
+            return True
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL("libc.so.6")
+            libc.mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD: allocations above 64 KiB are mappings of their own
+            libc.mallopt(-1, 1 << 16)  # M_TRIM_THRESHOLD: give freed memory back to the kernel
+            cls._libc = libc
+            cls._configured = _status_kib("VmHWM") is not None
+        except (OSError, AttributeError):
+            cls._configured = False
+        return cls._configured
+
+
+def _status_kib(field):
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def _prepare_peak():
+    """Trim what malloc holds, reset the kernel's high-water mark; the RSS now (KiB), or None."""
+    PeakRSS._libc.malloc_trim(0)
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS
+    except OSError:
+        return None
+    return _status_kib("VmRSS")
+
+
+def resident_bytes():
+    """This process's resident memory now (RSS): its pages in RAM, mapped file pages included."""
+    kib = _status_kib("VmRSS")
+    if kib is None:
+        raise RuntimeError("resident_bytes needs Linux (/proc/self/status)")
+    return kib * 1024
+
+
+def settled_resident_bytes():
+    """resident_bytes() with nothing pending: Python's garbage collected and what malloc keeps
+    unused handed back to the kernel (lesson 08).
+
+    It also makes large blocks mappings of their own from its first call on (PeakRSS's
+    setting), for the rest of the process: by default glibc raises that threshold after each
+    large free, later blocks come from heaps it keeps, and one program's RSS differs by
+    megabytes from run to run. Call it once before building what you measure.
+    """
+    gc.collect()
+    if not PeakRSS._configure():
+        raise RuntimeError("settled_resident_bytes needs Linux with glibc (mallopt, /proc/self/status)")
+    PeakRSS._libc.malloc_trim(0)
+    return resident_bytes()

@@ -11,10 +11,13 @@ it: `build_model(name, seed)`, `model_batch(name, size, seed)`, `model_loss(name
     mlp          OddMLP (27 -> 37 -> 29 -> 7)            2348    the default: plain layers
     small-mlp    OddMLP (27 -> 36 -> 7)                  1267    quick checks
     wide-mlp     OddMLP (27 -> 300 -> 7)                 10507   memory checks: one shard weighs
+    deep-mlp     OddMLP (27 -> 768 -> 768 -> 768 -> 7)   1.2 M   peaks measured whole-process: a layer is
+                                                                 a fifth of the model (lesson 07)
     edge         EdgeCaseNet                             745     tied, frozen, unused parameters
-    branch       BranchNet                               544     a branch only some ranks run
-    nested       NestedNet                               ...     nested units for ZeRO-3
-    transformer  TinyTransformer (vocab 101, width 22)   ...     attention, embeddings, norms
+    branch       BranchNet                               566     a branch some ranks (lesson 04) or some
+                                                                 steps (lesson 05: a unit skipped) leave out
+    nested       NestedNet                               6478    nested units for ZeRO-3
+    transformer  TinyTransformer (vocab 101, width 22)   16742   attention, embeddings, norms
 """
 
 from dataclasses import dataclass, field
@@ -207,6 +210,7 @@ MODELS = {
     "mlp": Recipe(OddMLP, "mlp"),
     "small-mlp": Recipe(partial(OddMLP, (27, 36, 7)), "mlp"),
     "wide-mlp": Recipe(partial(OddMLP, (27, 300, 7)), "mlp"),
+    "deep-mlp": Recipe(partial(OddMLP, (27, 768, 768, 768, 7)), "mlp"),
     "edge": Recipe(EdgeCaseNet, "edge"),
     "branch": Recipe(BranchNet, "mlp", {"n_in": 9, "n_out": 5}, first_seed=7_000),
     "nested": Recipe(NestedNet, "mlp", {"n_in": 13, "n_out": 7}, first_seed=5_000),

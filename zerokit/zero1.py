@@ -22,6 +22,7 @@ sharded with the optimizer state.
 """
 
 import weakref
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -34,7 +35,7 @@ from .flat import FlatBucket
 from .mixed_precision import precision_state
 from .offload import offload_place
 
-__all__ = ["ZeRO1Adam", "ShardedAdamState", "weak_hook"]
+__all__ = ["ZeRO1Adam", "ShardedAdamState", "StateShard", "weak_hook"]
 
 
 def weak_hook(method):
@@ -359,11 +360,57 @@ class ZeRO1Adam(torch.optim.Optimizer):
                                  if t is not None],
         }
 
+    # ---- lesson 07: what a checkpoint saves and restores -------------------------------
+
+    def state_shards(self):
+        """This rank's part of the optimizer state, one StateShard per bucket.
+
+        The tensors are the optimizer's own (views, not copies): a checkpoint writes them as
+        they are, and a load writes into them and then calls loaded().
+        """
+        if self.offload is not None:  # lesson 08: the state is in files or host memory, not tensors here
+            raise NotImplementedError(f"{type(self).__name__}(offload=...) cannot be checkpointed yet: its m, v and "
+                                      "master live in zerokit.offload's files or host memory; build it without "
+                                      "offload= to save or load")
+        return [StateShard(bucket, self.bucket_group[i], self._param_shard(i), s.exp_avg, s.exp_avg_sq, s.steps)
+                for i, (bucket, s) in enumerate(zip(self.buckets, self.shards))]
+
+    @torch.no_grad()
+    def loaded(self):
+        """The shards were overwritten in place (a checkpoint was loaded): publish them, so the
+        model every rank computes with is the loaded one (ZeRO-1/2: round into the 16-bit
+        buffer and all-gather; ZeRO-3: drop any gathered copy). A collective: every rank calls it."""
+        for i in range(len(self.buckets)):
+            self._publish(i)
+
     def state_dict(self):
         raise NotImplementedError(
-            f"{type(self).__name__} holds only this rank's shard of the optimizer state; "
-            "a sharded checkpoint is a later lesson. Save the model's parameters instead."
+            f"{type(self).__name__} holds only this rank's shard of the optimizer state, so a state_dict() of "
+            "one rank would be a sliver of it. Save the whole job with zerokit.checkpoint.save(path, model, opt) "
+            "on every rank (opt.state_shards() is this rank's part)."
         )
 
     def load_state_dict(self, state_dict):
-        self.state_dict()
+        raise NotImplementedError(
+            f"{type(self).__name__} is sharded: load with zerokit.checkpoint.load(path, model, opt) on every rank "
+            "(any world size, any stage)."
+        )
+
+
+@dataclass
+class StateShard:
+    """One bucket's optimizer state on this rank, as a checkpoint sees it (lesson 07).
+
+    bucket: the FlatBucket (which parameters, at which offsets; this rank's shard range).
+    group: the index of the bucket's param group.
+    weights, exp_avg, exp_avg_sq: this rank's shards, fp32, bucket.shard_numel elements each:
+        the weights Adam updates (the fp32 master under mixed precision), m and v.
+    steps: Adam's step count per parameter of the bucket (the same on every rank).
+    """
+
+    bucket: FlatBucket
+    group: int
+    weights: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    steps: list

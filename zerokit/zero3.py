@@ -213,12 +213,12 @@ class ShardedParameters(ZeRO2Adam):
 
     @torch.no_grad()
     def _free(self, bi):
-        """Bucket bi back to its shard only: empty parameters, the buffer's memory released,
-        nothing in flight."""
-        if bi in self._gathering:  # a prefetch nobody used
+        """Bucket bi back to its shard only: nothing in flight, parameters empty, and the buffer's
+        memory released, whether the bucket was full or its gather still in flight."""
+        if bi in self._gathering:  # a prefetch nobody used: wait for it, then release its buffer too
             work, full, _shard = self._gathering.pop(bi)
             work.wait()
-            full.untyped_storage().resize_(0)  # beyond the exercise: released now, not at the unit's next use
+            full.untyped_storage().resize_(0)
         if self._full[bi] is not None:
             for p in self.buckets[bi].params:
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)

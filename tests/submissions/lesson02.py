@@ -1,8 +1,8 @@
 """Example students for lesson 02 (data parallel Adam): one defect each, named by the student id.
 
-Points: test_average_gradients 3, test_ddp_numerics 3, test_ddp_collectives 2. The class
-checks use zerokit's average_gradients in place of the student's, so a wrong mean costs
-exercise (a)'s 3 points only.
+Points: test_average_gradients 3, test_ddp_numerics 3, test_ddp_collectives 2, test_questions 2.
+The class checks use a reference average_gradients in place of the student's, so a wrong
+mean costs exercise (a)'s 3 points only. Every defect student answers the questions right.
 """
 
 from . import SOLUTION, Student, correct, full_marks, untouched
@@ -24,6 +24,10 @@ def average_gradients(params):
         offset += g.numel()
 '''
 
+AVERAGES_TWICE = SUMS.replace(
+    "    dist.all_reduce(flat)  # BUG: the sum of the ranks' gradients, never divided by N\n",
+    "    dist.all_reduce(flat, op=dist.ReduceOp.AVG)\n    flat.div_(dist.get_world_size())  # BUG: AVG divided already\n")
+
 CLASS = '''class MyDistributedAdam(Adam):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
@@ -44,16 +48,31 @@ BROADCASTS = CLASS.format(body="        average_gradients(self.all_params())\n  
                           "        for p in self.all_params():\n"
                           "            dist.broadcast(p.data, src=0)  # BUG: twice the traffic, for nothing\n")
 
+WRONG_ANSWERS = '''answers = {
+    "bytes_per_rank_n8": 16 * 280_583 / 8,  # BUG: data parallel does not divide the model state by N
+    "ring_bytes_per_step_n8": 2 * 280_583 * 4 * 7 / 8,
+    "v_factor_sum_bug": 16,
+    "step_factor_sum_bug": 1,
+    "redundant_fraction": 63 / 64,
+}
+'''
+
 STUDENTS = [
-    correct(LESSON, "average_gradients", "distributed_adam_class"),
-    untouched(LESSON, "your code raised"),
+    correct(LESSON, "average_gradients", "distributed_adam_class", "answers"),
+    untouched(LESSON, "still the stub"),
     Student("sums_gradients", "all-reduce without dividing by N (the class is right)",
             {**FULL, "test_average_gradients": 0}, reason="the ranks' gradients were summed",
-            cells={"average_gradients": SUMS, "distributed_adam_class": SOLUTION}),
+            cells={"average_gradients": SUMS, "distributed_adam_class": SOLUTION, "answers": SOLUTION}),
+    Student("averages_twice", "ReduceOp.AVG, then divided by N as well: 1/N of the mean (the class is right)",
+            {**FULL, "test_average_gradients": 0}, reason="the ranks' gradients were averaged twice",
+            cells={"average_gradients": AVERAGES_TWICE, "distributed_adam_class": SOLUTION, "answers": SOLUTION}),
     Student("averages_after_step", "step() updates with the local gradient, then averages",
             {**FULL, "test_ddp_numerics": 0}, reason="but after the update",
-            cells={"average_gradients": SOLUTION, "distributed_adam_class": AFTER_STEP}),
+            cells={"average_gradients": SOLUTION, "distributed_adam_class": AFTER_STEP, "answers": SOLUTION}),
     Student("broadcasts_every_step", "right numbers, but broadcasts the weights after every step",
             {**FULL, "test_ddp_collectives": 0}, reason="every step is not needed",
-            cells={"average_gradients": SOLUTION, "distributed_adam_class": BROADCASTS}),
+            cells={"average_gradients": SOLUTION, "distributed_adam_class": BROADCASTS, "answers": SOLUTION}),
+    Student("wrong_answers", "the exercises right; the memory per rank divided by N, as if data parallel sharded",
+            {**FULL, "test_questions": 0}, reason="1 of 5 answers are not right yet: bytes_per_rank_n8",
+            cells={"average_gradients": SOLUTION, "distributed_adam_class": SOLUTION, "answers": WRONG_ANSWERS}),
 ]

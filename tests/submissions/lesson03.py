@@ -1,10 +1,11 @@
 """Example students for lesson 03 (ZeRO-1): shard_range and MyZeRO1Adam.
 
-Points: test_shard_range 2, test_zero1_numerics 4, test_zero1_memory 2, test_zero1_collectives 2.
+Points: test_shard_range 2, test_zero1_numerics 4, test_zero1_unused_parameters 2, test_zero1_memory 2,
+test_zero1_collectives 2, test_questions 2 (the stretch exercise's cell is not graded).
 Each defect is in one exercise and must cost only the checks meant to catch it.
 """
 
-from . import SOLUTION, Student, correct, full_marks, untouched
+from . import SOLUTION, Student, correct, full_marks, solution_with, untouched
 
 LESSON = "03_zero1"
 KEEP = ("import zerokit",)  # the imports cell (it also picks the forkserver launcher)
@@ -28,7 +29,7 @@ FULL_STATE = '''class MyZeRO1Adam(torch.optim.Optimizer):
             p.data = view
         self.exp_avg = torch.zeros(self.bucket.padded_numel)  # BUG: the whole model's m and v
         self.exp_avg_sq = torch.zeros(self.bucket.padded_numel)
-        self.steps = 0
+        self.steps = [0] * len(trainable)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -36,12 +37,18 @@ FULL_STATE = '''class MyZeRO1Adam(torch.optim.Optimizer):
         flat_grad = b.flatten([p.grad for p in b.params])
         grad_shard = torch.empty(b.shard_numel)
         dist.reduce_scatter_single(grad_shard, flat_grad, op=dist.ReduceOp.AVG)
-        self.steps += 1
-        lo, hi = b.shard_start, b.shard_end
-        adamw_update_(b.shard(self.flat_params), grad_shard, self.exp_avg[lo:hi], self.exp_avg_sq[lo:hi],
-                      self.steps, lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1],
-                      eps=group["eps"], weight_decay=group["weight_decay"])
-        dist.all_gather_single(self.flat_params, b.shard(self.flat_params))
+        has_grad = torch.tensor([p.grad is not None for p in b.params], dtype=torch.uint8)
+        dist.all_reduce(has_grad, op=dist.ReduceOp.MAX)
+        param_shard = b.shard(self.flat_params)
+        m, v = b.shard(self.exp_avg), b.shard(self.exp_avg_sq)
+        for s in b.segments:
+            if has_grad[s.index]:
+                self.steps[s.index] += 1
+                lo, hi = s.shard_lo, s.shard_hi
+                adamw_update_(param_shard[lo:hi], grad_shard[lo:hi], m[lo:hi], v[lo:hi], self.steps[s.index],
+                              lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1],
+                              eps=group["eps"], weight_decay=group["weight_decay"])
+        dist.all_gather_single(self.flat_params, param_shard)
 
     def memory_categories(self):
         return {"parameters": [self.flat_params], "optimizer_states": [self.exp_avg, self.exp_avg_sq]}
@@ -79,13 +86,24 @@ CALLS_ADAMW = '''class MyZeRO1Adam(torch.optim.Optimizer):
         return {"parameters": [self.flat_params], "optimizer_states": state}
 '''
 
+# The step without AdamW's skip: a parameter no rank has a gradient for is updated as if its
+# gradient were zero, so weight decay (and momentum) move it (what the lesson's text used to lead to).
+DECAYS_UNUSED = solution_with("            if not has_grad[s.index]:\n                continue\n", "")
+
 STUDENTS = [
-    correct(LESSON, "shard_range", "zero1_class"),
-    untouched(LESSON, "NotImplementedError"),
+    correct(LESSON, "shard_range", "zero1_class", "answers", "stretch_param_groups"),
+    # the stubs' reason and the questions' both ask whether the cell is still the stub
+    untouched(LESSON, "still the stub"),
+    Student("no_answers", "every exercise solved, the check-your-understanding answers left as released",
+            {**FULL, "test_questions": 0}, reason="no answer yet",
+            cells={"shard_range": SOLUTION, "zero1_class": SOLUTION}),
     Student("full_state", "right numbers, but m and v for the whole model on every rank (the point missed)",
             {**FULL, "test_zero1_memory": 0}, reason="as large as the whole model",
-            cells={"shard_range": SOLUTION, "zero1_class": FULL_STATE}),
+            cells={"shard_range": SOLUTION, "zero1_class": FULL_STATE, "answers": SOLUTION}),
+    Student("decays_unused", "updates parameters that no rank has a gradient for (weight decay where AdamW skips)",
+            {**FULL, "test_zero1_unused_parameters": 0}, reason="leaves it alone",
+            cells={"shard_range": SOLUTION, "zero1_class": DECAYS_UNUSED, "answers": SOLUTION}),
     Student("calls_adamw", "MyZeRO1Adam hands its shard to torch.optim.AdamW (cheat)",
-            {**ZERO, "test_shard_range": 2}, reason="torch.optim.AdamW",
-            cells={"shard_range": SOLUTION, "zero1_class": CALLS_ADAMW}),
+            {**ZERO, "test_shard_range": 2, "test_questions": FULL["test_questions"]}, reason="torch.optim.AdamW",
+            cells={"shard_range": SOLUTION, "zero1_class": CALLS_ADAMW, "answers": SOLUTION}),
 ]

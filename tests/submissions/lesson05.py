@@ -1,7 +1,8 @@
 """Example students for lesson 05 (sharded_parameters, my_zero3): a lean set.
 
 Points: test_gather_free 2 (exercise 1, gather and free), test_matches_adamw 4,
-test_parameters_sharded 4, test_communication 3 (exercise 2, the hooks). The hook checks
+test_parameters_sharded 4, test_communication 3 (exercise 2, the hooks), test_understanding 2
+(the questions; every defect below answers them right). The hook checks
 run the student's hooks on zerokit's gather/free, so a defect in one exercise costs that
 exercise only; and right numbers from full copies cost test_parameters_sharded.
 """
@@ -47,14 +48,34 @@ _NO_RESIZE = '''
 '''
 
 
+# Exercise 1's _free as the text once read: a prefetch nobody used is waited for and forgotten, but
+# its buffer keeps its memory: a unit a data-dependent branch skips stays allocated between steps.
+_KEEPS_PREFETCH = '''
+    @torch.no_grad()
+    def _free(self, bi):
+        if bi in self._gathering:
+            self._gathering.pop(bi)[0].wait()  # BUG: the buffer of a prefetch nobody used is not released
+        if self._full[bi] is not None:
+            for p in self.buckets[bi].params:
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            self._full[bi].untyped_storage().resize_(0)
+            self._full[bi] = None
+'''
+
+
 STUDENTS = [
-    correct(LESSON, "sharded_parameters", "my_zero3"),
-    untouched(LESSON, "your code raised"),
+    correct(LESSON, "sharded_parameters", "my_zero3", "understanding"),
+    untouched(LESSON, "still the stub"),
     Student("keeps_full_copies", "right hooks and numbers, but a full copy of every unit kept after its forward",
             {**FULL, "test_parameters_sharded": 0}, reason="something keeps full-size buffers alive",
-            cells={"sharded_parameters": SOLUTION, "my_zero3": method_replaced("_post_forward", _COPIES)}),
+            cells={"sharded_parameters": SOLUTION, "my_zero3": method_replaced("_post_forward", _COPIES),
+                   "understanding": SOLUTION}),
     Student("free_without_resize", "exercise 1's _free drops its references but does not resize_(0) the "
             "buffer (hooks right)", {**FULL, "test_gather_free": 0}, reason="release it in place",
             cells={"sharded_parameters": method_replaced("_free", _NO_RESIZE),
-                   "my_zero3": SOLUTION}),
+                   "my_zero3": SOLUTION, "understanding": SOLUTION}),
+    Student("keeps_unused_prefetch", "exercise 1's _free waits for a prefetch nobody used but leaves its buffer "
+            "allocated (hooks right)", {**FULL, "test_gather_free": 0}, reason="a prefetch nobody used",
+            cells={"sharded_parameters": method_replaced("_free", _KEEPS_PREFETCH),
+                   "my_zero3": SOLUTION, "understanding": SOLUTION}),
 ]

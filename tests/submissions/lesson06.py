@@ -1,11 +1,12 @@
 """Example students for lesson 06 (mixed precision): MyLossScaler and MyMixedPrecisionAdam.
 
 Points: test_unscale 2, test_overflow_agreed 3, test_scale_schedule 2, test_master_update 3,
-test_overflow_step 2. The optimizer's checks run it with zerokit's scaler, so a defect in one
+test_overflow_step 2, test_understanding 2 (the questions; the defects below answer them right,
+but for rounded_answer). The optimizer's checks run it with zerokit's scaler, so a defect in one
 exercise costs only that exercise's checks.
 """
 
-from . import SOLUTION, Student, correct, full_marks, untouched
+from . import SOLUTION, Student, correct, full_marks, solution_with, untouched
 
 LESSON = "06_mixed_precision"
 KEEP = ("import zerokit",)  # the imports cell (it also picks the forkserver launcher)
@@ -83,13 +84,49 @@ UPDATES_HALF = '''class MyMixedPrecisionAdam(torch.optim.Optimizer):
         return None
 '''
 
+# The master copies taken after the cast: they hold the rounded weights (the rest is right).
+_MASTERS_FIRST = """        self.masters = [p.detach().to(torch.float32, copy=True) for p in self.params]
+        self.exp_avgs = [torch.zeros_like(m) for m in self.masters]
+        self.exp_avg_sqs = [torch.zeros_like(m) for m in self.masters]
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.data = p.data.to(dtype)
+"""
+_CAST_FIRST = """        for group in self.param_groups:
+            for p in group["params"]:
+                p.data = p.data.to(dtype)
+        self.masters = [p.detach().to(torch.float32, copy=True) for p in self.params]  # BUG: after the cast
+        self.exp_avgs = [torch.zeros_like(m) for m in self.masters]
+        self.exp_avg_sqs = [torch.zeros_like(m) for m in self.masters]
+"""
+# Only the trainable parameters made 16-bit: a frozen layer computes in fp32 among 16-bit ones.
+_EVERY_PARAMETER = """        for group in self.param_groups:
+            for p in group["params"]:
+                p.data = p.data.to(dtype)
+"""
+_TRAINABLE_ONLY = """        for p in self.params:  # BUG: the frozen parameters stay fp32
+            p.data = p.data.to(dtype)
+"""
+
 STUDENTS = [
-    correct(LESSON, "loss_scaler", "master_adam"),
-    untouched(LESSON, "NotImplementedError"),
+    correct(LESSON, "loss_scaler", "master_adam", "understanding"),
+    untouched(LESSON, "still the stub"),
     Student("multiplies_by_scale", "unscale multiplies the gradient by the loss scale instead of dividing",
             {**FULL, "test_unscale": 0}, reason="times the scale",
-            cells={"loss_scaler": MULTIPLIES, "master_adam": SOLUTION}),
+            cells={"loss_scaler": MULTIPLIES, "master_adam": SOLUTION, "understanding": SOLUTION}),
     Student("updates_half_params", "AdamW applied to the 16-bit parameters; the fp32 masters never move",
             {**FULL, "test_master_update": 0}, reason="did not change",
-            cells={"loss_scaler": SOLUTION, "master_adam": UPDATES_HALF}),
+            cells={"loss_scaler": SOLUTION, "master_adam": UPDATES_HALF, "understanding": SOLUTION}),
+    Student("masters_after_cast", "the fp32 master copies taken after the model was cast to 16 bits",
+            {**FULL, "test_master_update": 0}, reason="hold the weights rounded to",
+            cells={"loss_scaler": SOLUTION, "master_adam": solution_with(_MASTERS_FIRST, _CAST_FIRST),
+                   "understanding": SOLUTION}),
+    Student("frozen_left_fp32", "only the trainable parameters made 16-bit; the frozen ones stay fp32",
+            {**FULL, "test_master_update": 0}, reason="frozen ones too",
+            cells={"loss_scaler": SOLUTION, "master_adam": solution_with(_EVERY_PARAMETER, _TRAINABLE_ONLY),
+                   "understanding": SOLUTION}),
+    Student("rounded_answer", "the questions answered, but the bf16 spacing rounded to 0.002 (2**-9 is "
+            "0.001953125)", {**FULL, "test_understanding": 0}, reason="bf16_spacing (you gave 0.002)",
+            cells={"loss_scaler": SOLUTION, "master_adam": SOLUTION,
+                   "understanding": solution_with('"bf16_spacing": 2.0**-9,', '"bf16_spacing": 0.002,')}),
 ]

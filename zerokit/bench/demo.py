@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from zerokit.widgets import progress as progress_bar
+
 from .buffers import buffer_bytes
 from .stages import STAGES, make_optimizer
 
@@ -85,10 +87,11 @@ def measure(rank, world_size, stage, steps=3, micro_batch=4):
     }
 
 
-def run(world_sizes=(2, 4), steps=3, progress=print):
+def run(world_sizes=(2, 4), steps=3):
     from zerokit import launch, theory_bytes, theory_volume
 
     rows = []
+    bar = progress_bar(total=len(world_sizes) * len(STAGES), desc="demo")
     for n in world_sizes:
         reference = None
         for stage in STAGES:
@@ -113,7 +116,9 @@ def run(world_sizes=(2, 4), steps=3, progress=print):
                 "max_param_diff_vs_ddp": (r["params"] - reference).abs().max().item(),
                 "ranks_agree": all(torch.equal(res["params"], r["params"]) for res in results),
             })
-            progress(f"  measured {LABELS[stage]:<13} on {n} ranks in {time.perf_counter() - t0:5.1f} s")
+            bar.write(f"  measured {LABELS[stage]:<13} on {n} ranks in {time.perf_counter() - t0:5.1f} s")
+            bar.update(1)
+    bar.close()
     return rows
 
 
@@ -167,7 +172,8 @@ def plot(rows, path):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m zerokit.bench.demo", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--out", default="bench-results")

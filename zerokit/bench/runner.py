@@ -4,10 +4,12 @@ together and writes `bench-ws<N>.json` and `bench-ws<N>.png`."""
 
 import json
 import os
+import re
 import time
 from pathlib import Path
 
 import zerokit
+from zerokit.widgets import progress
 
 from .plot import plot
 from .summary import summarize
@@ -28,7 +30,19 @@ def run(world_size=2, model="small", steps=20, warmup=2, configs=None, seed=0,
     opts = {"model": model_cfg, "model_name": model, "steps": steps, "warmup": warmup, "configs": configs,
             "chunk": 2, "seed": seed}
     t0, load_before = time.perf_counter(), os.getloadavg()
-    per_rank = zerokit.launch(worker, world_size, args=(opts,), launcher=launcher, timeout=timeout)
+    bar = progress(total=len(configs), desc="bench")
+
+    def echo(rank, line):
+        # rank 0 reports each configuration it finishes as "[k/n] ...": the bar follows it
+        done = re.match(r"\[(\d+)/\d+\]", line)
+        if done:
+            bar.update(int(done.group(1)) - bar.n)
+        bar.write(f"[rank {rank}] {line}")
+
+    try:
+        per_rank = zerokit.launch(worker, world_size, args=(opts,), launcher=launcher, timeout=timeout, echo=echo)
+    finally:
+        bar.close()
     summary = summarize(per_rank, opts, world_size)
     summary["meta"]["wall_time_s"] = time.perf_counter() - t0
     # other processes share the cores: times are only as steady as the machine was

@@ -20,13 +20,17 @@ the student's code, under the same names, plus what only its lesson has:
                           check_traffic            one all-reduce of Ψ per step, no parameter broadcasts
     03 ZeRO-1             check_shard_range        exercise (a): equal padded shards, nothing dropped
                           check_numerics           weights and this rank's m, v shard vs AdamW
+                          check_unused_parameters  no gradient on any rank: left alone; on some: updated;
+                                                   a step count per parameter
                           check_memory             optimizer state ~ 8Ψ/N bytes per rank
                           check_traffic            reduce-scatter Ψ + all-gather Ψ, no all-reduce
+                          check_param_groups       stretch (ungraded, try_stretch): several param groups
     04 ZeRO-2             check_numerics           gradient shards, weights, m and v vs AdamW
                           check_memory             no full gradient survives backward
                           check_traffic            one reduce-scatter per bucket, in order, in backward
                           check_unused_parameters  parameters without a gradient: no hang, no corruption
-                          check_accumulation       several backward calls per step
+                          check_accumulation       several backward calls per step: the shards after each
+                          check_clipping           stretch (ungraded, try_stretch): clipping sharded gradients
     05 ZeRO-3             check_gather_free        exercise 1: gather into, and free, a unit's buffer
                           check_numerics           gradient shards, weights, m and v vs AdamW
                           check_memory             parameters 1/N at rest, each unit freed after use
@@ -34,8 +38,17 @@ the student's code, under the same names, plus what only its lesson has:
     06 mixed precision    check_unscale            g / S in fp32
                           check_overflow_agreed    an inf on one rank skips the step on every rank
                           check_scale_schedule     backoff and growth
-                          check_numerics           fp32 masters, m and v vs AdamW; 16-bit weights
+                          check_numerics           fp32 masters (taken before the cast), m, v vs AdamW; every
+                                                   weight 16-bit, frozen ones too
                           check_overflow_step      nothing changes on a skipped step
+    07 checkpoints        check_numerics           exercise (a): your save_shards, read back by zerokit's loader
+                                                   on N and N' ranks, bit for bit; then AdamW's numbers
+                          check_memory             exercise (a): each rank writes only its own shards (12 B each)
+                          check_reshard_map        exercise (b): the N -> N' reads, padding never read (PyTorch's
+                                                   planner cases among many), driving the loader on real ranks
+                          check_consolidate        exercise (c): a strict fp32 state_dict, tied weights once
+                          check_consolidate_memory exercise (c): peak ≤ the output + the largest parameter
+                          check_answers            check your understanding
     08 beyond model state check_saved_bytes        exercise 1: bytes autograd saves, weights left out
                           check_saved_views        ... each storage once, and all of it
                           check_recompute          exercise 2: _pre_forward under recomputation, vs AdamW
@@ -48,9 +61,10 @@ the student's code, under the same names, plus what only its lesson has:
 the `kind=` argument for `model=`, still work for a term: each module aliases them.)
 
 One bug costs one check. Each check looks at one thing, and where a check needs another
-exercise's piece it uses zerokit's reference for it (lesson 02's class checks use zerokit's
+exercise's piece it uses a reference for it (lesson 02's class checks use a reference
 average_gradients; lesson 05's hook checks use zerokit's gather and free; lesson 06's
-optimizer checks use zerokit's scaler), so a student loses the points of the check meant to
+optimizer checks use zerokit's scaler; lesson 07's reads your checkpoint with zerokit's loader, and
+drives that loader with your map), so a student loses the points of the check meant to
 catch a bug, and only those. tests/test_grading_lessonNN.py hold each lesson's broken
 versions and the exact checks each must fail.
 

@@ -16,7 +16,8 @@ TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.float64: (1e-10, 1e-10),
 
 
 def _where():
-    return f" on rank {dist.get_rank()}" if dist.is_initialized() else ""
+    """' on rank 1' where several ranks run the check; nothing on one process."""
+    return f" on rank {dist.get_rank()}" if dist.is_initialized() and dist.get_world_size() > 1 else ""
 
 
 def max_abs_diff(actual, expected):

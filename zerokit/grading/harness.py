@@ -40,7 +40,58 @@ TIMEOUT_ENV = "ZEROKIT_CHECK_TIMEOUT"  # seconds; caps every check's own timeout
 
 
 class CheckFailed(AssertionError):
-    """A check did not pass; the message's first line is the reason."""
+    """A check did not pass; the message's first line is the reason.
+
+    In a notebook IPython shows `_render_traceback_()` instead of its own traceback: the
+    reason first, then the lines of the student's code that led to the check (the notebook
+    cell that called it). The grader's own frames (run_on_ranks, the line that raised) say
+    nothing about the student's code and come before the reason in IPython's traceback, so
+    they are left out; ZEROKIT_FULL_TRACEBACK=1 shows IPython's full traceback instead.
+    """
+
+    def _render_traceback_(self):
+        if os.environ.get("ZEROKIT_FULL_TRACEBACK"):
+            from IPython import get_ipython
+
+            return get_ipython().InteractiveTB.structured_traceback(type(self), self, self.__traceback__)
+        first, _, rest = str(self).partition("\n")
+        lines = [f"\x1b[31m{type(self).__name__}\x1b[39m: {first}"] + (rest.splitlines() if rest else [])
+        frames = _students_frames(self.__traceback__)
+        if frames:
+            lines.append("")
+            lines += frames
+        return lines
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # zerokit/
+
+
+def _students_frames(tb):
+    """'Cell In[3], line 2: <source>' for each frame of the student's code in a traceback:
+    notebook cells and files outside zerokit, Python and its installed packages, unless the
+    frame hides itself (`__tracebackhide__`, as IPython and pytest honour it)."""
+    import linecache
+    import sysconfig
+    import traceback
+
+    library = {os.path.abspath(sysconfig.get_paths()[k]) for k in ("stdlib", "purelib", "platlib")}
+    try:
+        from IPython import get_ipython
+
+        shell = get_ipython()
+    except ImportError:
+        shell = None
+    out = []
+    for frame, lineno in traceback.walk_tb(tb):
+        filename = frame.f_code.co_filename
+        path = os.path.abspath(filename)
+        if (frame.f_locals.get("__tracebackhide__") or path.startswith(_PACKAGE_DIR + os.sep)
+                or any(path.startswith(d + os.sep) for d in library)):
+            continue
+        cell = shell.compile.format_code_name(filename) if shell is not None else None
+        where = f"{cell[0]} {cell[1]}, line {lineno}" if cell else f"File {filename}, line {lineno}"
+        out.append(f"\x1b[36m{where}\x1b[39m: {linecache.getline(filename, lineno).strip()}".rstrip())
+    return out
 
 
 def passed(message):
@@ -227,9 +278,9 @@ def run_on_ranks(check, world_size, args=(), *, timeout=60.0, memory_limit_gb=4.
         except CheckFailed:
             raise
         except AssertionError as exc:
-            raise CheckFailed(_rank_prefix(exc) + str(exc)) from None
+            raise CheckFailed(_rank_prefix(exc, world_size) + str(exc)) from None
         except ForbiddenCall as exc:
-            raise CheckFailed(_rank_prefix(exc) + str(exc)) from None
+            raise CheckFailed(_rank_prefix(exc, world_size) + str(exc)) from None
         except Exception as exc:  # the student's code raised
             notes = getattr(exc, "__notes__", [])
             where = notes[0] if notes else ""
@@ -256,9 +307,12 @@ def _per_rank(exc):
     return "; ".join(f"rank {rank}: {why}" for rank, why in sorted(exc.failures.items())) or "no rank said why"
 
 
-def _rank_prefix(exc):
+def _rank_prefix(exc, world_size):
+    """'[rank 1] ' before a rank's message, unless there is one rank or the message names it already."""
     rank = getattr(exc, "rank", None)
-    return f"[rank {rank}] " if rank is not None else ""
+    if rank is None or world_size == 1 or f"rank {rank}" in str(exc):
+        return ""
+    return f"[rank {rank}] "
 
 
 def _indent(text):

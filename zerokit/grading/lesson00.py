@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from ..comm import CommCounter
 from .compare import assert_close
-from .harness import passed, run_on_ranks
+from .harness import CheckFailed, passed, run_on_ranks
 from .kit import alias
 
 __all__ = ["check_numerics", "check_traffic"]
@@ -31,6 +31,26 @@ def _call(fn, x):
     return out
 
 
+def _close(a, b):
+    return a.shape == b.shape and bool(torch.allclose(a.double(), b.double(), atol=1e-5, rtol=1e-5))
+
+
+def _why_wrong(out, expected, mine, world_size):
+    """Which classic mistake turns the inputs into this wrong result, in a sentence; '' if none."""
+    out = out.detach().cpu()
+    if _close(out * world_size, expected):
+        return (f". It is the sum divided by N = {world_size}, the mean: an all-reduce sums (ReduceOp.SUM), "
+                "so do not divide")
+    if _close(out, mine):
+        return (". It is still this rank's own tensor: the sum never reached what you return (the collectives "
+                "write into their output tensors, in place)")
+    if _close(out.sort().values, expected.sort().values):
+        return (". The right values in the wrong places: element i of the result must be the sum of element i "
+                "over the ranks, so each chunk of the sum goes back where it came from (chunk r at elements "
+                "r*k to (r+1)*k - 1)")
+    return ""
+
+
 def _all_reduce_case(rank, world_size, fn, sizes):
     volumes = {}
     for n in sizes:
@@ -40,16 +60,23 @@ def _all_reduce_case(rank, world_size, fn, sizes):
         with CommCounter() as comm:
             out = _call(fn, x.clone())
         if tuple(out.shape) != tuple(x.shape):
+            why = ("did the padding stay in? Return only the first numel elements" if out.numel() > n else
+                   "only this rank's chunk? The all-gather brings every rank's chunk back" if out.numel() < n else
+                   "return it in the input's shape")
             raise AssertionError(f"for a tensor of {n} elements the result has shape {tuple(out.shape)}, "
-                                 f"expected {tuple(x.shape)} (did the padding stay in?)")
-        assert_close(out, expected, f"the sum of a {n}-element tensor over {world_size} ranks")
+                                 f"expected {tuple(x.shape)} ({why})")
+        try:
+            assert_close(out, expected, f"the sum of a {n}-element tensor over {world_size} ranks")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}{_why_wrong(out, expected, x, world_size)}") from None
         ops = comm.table()
         if "all_reduce" in ops:
             raise AssertionError("your function called dist.all_reduce: build it from a reduce-scatter and an all-gather")
         for op in ("reduce_scatter", "all_gather"):
             if op not in ops:
+                called = ", ".join(o.replace("_", "-") for o in sorted(ops)) or "no collective"
                 raise AssertionError(f"your function made no {op.replace('_', '-')}: the exercise is to build "
-                                     f"all-reduce from a reduce-scatter and an all-gather (it called: {sorted(ops) or 'nothing'})")
+                                     f"all-reduce from a reduce-scatter and an all-gather (it called: {called})")
         volumes[n] = comm.volume()
     return volumes
 
@@ -68,21 +95,37 @@ def _volume_case(rank, world_size, fn, n):
         _call(fn, x.clone())
     with CommCounter() as torchs:
         dist.all_reduce(x.clone())
-    return theirs.volume(), torchs.volume()
+    calls = {op: (row["calls"], row["volume"]) for op, row in theirs.table().items()}
+    return theirs.volume(), torchs.volume(), calls
+
+
+def _said(calls):
+    """'reduce-scatter x1 (1002 elements) + all-gather x1 (1002 elements)': what was counted."""
+    return " + ".join(f"{op.replace('_', '-')} x{k} ({v} elements)" for op, (k, v) in calls.items()) or "no collective"
 
 
 def check_traffic(my_all_reduce, world_size=2, size=1001):
     """The elements my_all_reduce moves equal dist.all_reduce's 2*size (up to padding)."""
     __tracebackhide__ = True
     results = run_on_ranks(_volume_case, world_size, args=(my_all_reduce, size), what="my_all_reduce")
-    theirs, reference = results[0]
+    theirs, reference, calls = results[0]
     padded = -(-size // world_size) * world_size
     if not reference <= theirs <= 2 * padded:
-        raise AssertionError(
-            f"my_all_reduce moved {theirs} elements for a {size}-element tensor on {world_size} ranks; "
-            f"dist.all_reduce moves {reference} (2 x {size}), padding allows up to {2 * padded}")
-    passed(f"my_all_reduce moves {theirs} elements, dist.all_reduce {reference}: the same volume "
-           f"(reduce-scatter {padded} + all-gather {padded})")
+        why = ""
+        gathered = calls.get("all_gather", (0, 0))[1]
+        if gathered > padded and "reduce_scatter" not in calls:
+            why = (f": it made no reduce-scatter, so its all-gather of {gathered} elements moves every rank's whole "
+                   f"tensor ({world_size} x {size}); reduce-scatter first, and each rank gathers only its chunk of "
+                   "the sum")
+        elif gathered > padded:
+            why = (f": its all-gather of {gathered} elements moves more than the {padded}-element (padded) sum; "
+                   "gather only the reduce-scatter's chunk")
+        raise CheckFailed(
+            f"my_all_reduce moved {theirs} elements for a {size}-element tensor on {world_size} ranks "
+            f"({_said(calls)}); dist.all_reduce moves {reference} (2 x {size}), padding allows up to "
+            f"{2 * padded}{why}")
+    passed(f"my_all_reduce moves {theirs} elements on {world_size} ranks ({_said(calls)}), dist.all_reduce "
+           f"{reference}: the same volume, up to the padding")
 
 
 check_all_reduce = alias(check_numerics, "check_all_reduce")

@@ -8,6 +8,7 @@ r"""Checks for lesson 01 (Adam by hand): the update, the optimizer contract, zer
     check_zero_grad(cls, model)      zero_grad clears NaN and inf (the `grad *= 0` bug)
     check_memory(fn, models)         the 2Ψ + 2Ψ + KΨ formula against the bytes
                                      zerokit.census measures on real models
+    check_loss_curve(fn)             the optional exercise (no points): prints ✓ or why, never raises
 
 One bug costs one check. The numerics clear gradients with the base class's zero_grad, so a
 broken zero_grad only fails check_zero_grad. The contract compares the student's class with
@@ -31,7 +32,7 @@ from .compare import assert_close
 from .harness import CheckFailed, passed, run_on_ranks
 from .kit import adamw_reference, alias, check_class, global_batch, refusing, snapshot
 
-__all__ = ["check_numerics", "check_contract", "check_zero_grad", "check_memory"]
+__all__ = ["check_numerics", "check_contract", "check_zero_grad", "check_memory", "check_loss_curve"]
 
 BATCH = 12
 SEED = 1  # the model's initialisation, and its data stream (STREAM) as zerokit.reference numbers it
@@ -88,8 +89,20 @@ def _is_close(actual, expected, **tol):
 # numerics: the student's class against torch.optim.AdamW
 
 
-def _state_problem(opt, model, record, after):
-    """What is wrong with m, v and step in opt.state, compared with AdamW's record; None if nothing."""
+def _own_average(before, grad, beta, square):
+    """What a moving average holds after this step if it is updated right from the student's own
+    gradient (before: its value before the step, None on the first step)."""
+    g = grad.double()
+    g = g * g if square else g
+    return g * (1 - beta) if before is None else before.double() * beta + g * (1 - beta)
+
+
+def _state_problem(opt, model, record, after, own):
+    """What is wrong with m, v and step in opt.state, compared with AdamW's record; None if nothing.
+
+    own: {name: (m before, v before, gradient)} of this step, from the student's own run, to tell
+    a moving average kept wrong from a right one of a gradient that already differed."""
+    b1, b2 = own["betas"]
     for n, p in model.named_parameters():
         if n not in record["step"]:
             continue
@@ -105,7 +118,7 @@ def _state_problem(opt, model, record, after):
         if step != ref_step:
             return (f"{after} opt.state[p]['step'] of parameter {n} is {step!r}, expected {ref_step}: count this "
                     "parameter's updates, 1, 2, 3, ... (the t of the bias correction 1 - beta**t)")
-        for key, ref, what in (("exp_avg", ref_m, "m"), ("exp_avg_sq", ref_v, "v")):
+        for key, ref, what, beta, square in (("exp_avg", ref_m, "m", b1, False), ("exp_avg_sq", ref_v, "v", b2, True)):
             mine = s[key]
             if not isinstance(mine, torch.Tensor):
                 return f"opt.state[p]['{key}'] of parameter {n} is a {type(mine).__name__}, not a tensor"
@@ -117,60 +130,129 @@ def _state_problem(opt, model, record, after):
                 assert_close(mine, ref, f"{what} of parameter {n} (opt.state[p]['{key}']) {after}",
                              atol=1e-6 * float(ref.abs().max()) + 1e-12, rtol=1e-4)
             except AssertionError as exc:
+                m0, v0, grad = own["state"].get(n, (None, None, None))
+                kept_right = grad is not None and _is_close(
+                    mine, _own_average(m0 if key == "exp_avg" else v0, grad, beta, square).float(),
+                    atol=1e-7 * float(ref.abs().max()) + 1e-12, rtol=1e-5)
+                if kept_right:  # the average is right; the gradient it averaged was not AdamW's
+                    why = (f"your {what} is the right moving average of the gradients your model produced, but "
+                           "those differ from AdamW's: after the step before, your weights were already slightly "
+                           "off (by less than the tolerance on weights)")
+                    if own["slip"]:
+                        slip = own["slip"]
+                        return f"{slip[0].upper()}{slip[1:]}. It first shows here: {exc} ({why})"
+                    return f"{exc}: {why}. {_STEP_FORMULA}"
                 return (f"{exc}: store the raw moving averages m_t and v_t (the bias correction only enters "
                         "the step, never the stored state)")
     return None
 
 
+_STEP_FORMULA = ("Look at how your step turns m and v into the update: θ ← θ(1 - lr·λ), then "
+                 "θ ← θ - lr·m̂/(sqrt(v̂) + eps)")
+
+
 def _update_mistake(prev, p, state, hyper):
-    """Which classic mistake turns the right m, v and t into this parameter value? None if none."""
+    """Which classic mistake turns the right m, v and t into this parameter value? None if none.
+
+    The candidate closest to the parameter wins, the right update among them: a mistake is named
+    only when it explains the value clearly better (by 4x) than AdamW's own update does, so a
+    mistake that moves a weight by less than the tolerance (weight decay after the step moves it
+    by lr²·λ·|step|) is still recognised, and a right update written another way is not."""
     lr, (b1, b2), eps, wd = hyper["lr"], hyper["betas"], hyper["eps"], hyper["weight_decay"]
-    t = int(state["step"])
-    prev, m, v = prev.double(), state["exp_avg"].double(), state["exp_avg_sq"].double()
+    try:
+        t = int(state["step"])
+        prev, m, v = prev.double(), state["exp_avg"].double(), state["exp_avg_sq"].double()
+    except (KeyError, TypeError, AttributeError, ValueError, RuntimeError):
+        return None
+    if t < 1 or m.shape != prev.shape or v.shape != prev.shape:
+        return None
     m_hat, v_hat = m / (1 - b1**t), v / (1 - b2**t)
     decayed = prev * (1 - lr * wd)
+    adam_step = lr * m_hat / (v_hat.sqrt() + eps)
     candidates = [
+        (decayed - adam_step, None),  # AdamW itself
         (decayed - lr * m / (v.sqrt() + eps),
          "your step matches Adam WITHOUT bias correction: use m̂ = m / (1 - beta1**t) and v̂ = v / (1 - beta2**t) "
          "in the step (t = this parameter's step count, from 1)"),
         (decayed - lr * m_hat / (v_hat + eps).sqrt(),
          "your step matches sqrt(v̂ + eps): eps belongs outside the square root, sqrt(v̂) + eps"),
-        (prev * (1 - wd) - lr * m_hat / (v_hat.sqrt() + eps),
+        (prev * (1 - wd) - adam_step,
          "your step matches a weight decay of θ(1 - λ): AdamW scales it by the learning rate, θ(1 - lr·λ)"),
-        (prev - lr * m_hat / (v_hat.sqrt() + eps),
+        (prev - adam_step,
          "your step matches Adam without weight decay: AdamW first shrinks the weights, θ ← θ(1 - lr·λ)"),
+        ((prev - adam_step) * (1 - lr * wd),
+         "your step matches the weight decay after the Adam step, which shrinks the step too: AdamW decays the "
+         "weights first, θ ← θ(1 - lr·λ), then subtracts lr·m̂/(sqrt(v̂) + eps)"),
     ]
-    for value, hint in candidates:
-        if _is_close(p, value.float(), atol=1e-7, rtol=1e-5):
-            return hint
+    got = p.detach().double()
+    if got.shape != prev.shape:
+        return None
+    distances = [float((got - value).abs().max()) if got.numel() else 0.0 for value, _ in candidates]
+    best = min(range(len(candidates)), key=lambda i: (distances[i], i))
+    if best == 0 or not distances[best] * 4 < distances[0]:
+        return None
+    value, hint = candidates[best]
+    return hint if _is_close(p, value.float(), atol=1e-7, rtol=1e-5) else None
+
+
+def _slip(model, opt, before, hyper):
+    """The first classic mistake the update of this step shows on any parameter, or None."""
+    state = opt.state if isinstance(opt.state, dict) else {}
+    for n, p in model.named_parameters():
+        s = state.get(p)
+        if isinstance(s, dict) and n in before:
+            mistake = _update_mistake(before[n], p, s, hyper)
+            if mistake:
+                return mistake
     return None
+
+
+def _own_state(opt, model):
+    """{name: (m, v)} copies of the student's state before a step (None where there is none yet)."""
+    state = opt.state if isinstance(opt.state, dict) else {}
+    out = {}
+    for n, p in model.named_parameters():
+        s = state.get(p)
+        ok = isinstance(s, dict) and all(isinstance(s.get(k), torch.Tensor) for k in ("exp_avg", "exp_avg_sq"))
+        out[n] = (s["exp_avg"].detach().clone(), s["exp_avg_sq"].detach().clone()) if ok else (None, None)
+    return out
 
 
 def _numerics_case(rank, world_size, cls, kind, steps, hyper, reference):
     with refusing(NO_ZEROKIT_ADAM, everywhere=True):
         model = build_model(kind, SEED)
         opt = cls(model.parameters(), **hyper)
+        slip = None  # the first mistake an update showed, even one too small to fail a comparison yet
         for step in range(steps):
             before = snapshot(model)
-            _step(model, [opt], kind, step)
+            state_before = _own_state(opt, model)
+            _backward(model, step, kind)
+            grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+            opt.step()
+            torch.optim.Optimizer.zero_grad(opt, set_to_none=True)  # the student's own is check_zero_grad's
+            slip = slip or _slip(model, opt, before, hyper)
             after = f"after step {step + 1}"
-            problem = _state_problem(opt, model, reference["adamw"][step], after)
+            own = {"betas": hyper["betas"], "slip": slip,
+                   "state": {n: (*state_before[n], g) for n, g in grads.items()}}
+            problem = _state_problem(opt, model, reference["adamw"][step], after, own)
             for n, p in model.named_parameters():
                 try:
                     assert_close(p, reference["adamw"][step]["params"][n], f"parameter {n} {after}")
                 except AssertionError as exc:
-                    hint = _hint(step, n, model, opt, before, problem, hyper, reference)
+                    hint = _hint(step, n, model, opt, before, problem, slip, hyper, reference)
                     raise AssertionError(f"{exc} — {hint}") from None  # one line: what nbgrader's feedback shows
             if problem:
                 raise AssertionError(problem)
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
-def _hint(step, name, model, opt, before, problem, hyper, reference):
+def _hint(step, name, model, opt, before, problem, slip, hyper, reference):
     if step < len(reference["l2"]) and all(_is_close(p, reference["l2"][step]["params"][n])
                                            for n, p in model.named_parameters()):
         return ("your parameters match torch.optim.Adam with weight_decay, which adds λθ to the gradient (L2). "
                 "AdamW decouples it: θ ← θ(1 - lr·λ), applied to the weights directly, then the Adam step")
+    if slip:
+        return slip
     if problem:
         return problem
     p = dict(model.named_parameters())[name]
@@ -205,7 +287,7 @@ def _same(got, expected, step, setup, fix):
         try:
             assert_close(got[n], expected[n], f"parameter {n} after step {step + 1}")
         except AssertionError as exc:
-            raise AssertionError(f"{setup}: {exc}\n  ({fix})") from None
+            raise AssertionError(f"{setup} ({fix}): {exc}") from None
 
 
 def _groups(cls, kind, hyper):
@@ -499,6 +581,93 @@ def check_memory(fn, models=("mlp",), timeout=60.0):
     desc = "; ".join(f"{kind} {precision}: {sum(m.values())} B = {sum(m.values()) // psi} x Ψ"
                      for kind, precision, psi, m in rows)
     passed(f"model_state_bytes matches the bytes zerokit.census measured ({desc}); a 7B model: 112 GB")
+
+
+# ---------------------------------------------------------------------------------------
+# the optional exercise: a loss curve (no points: checked when attempted, and never raises)
+
+CURVE_HYPER = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+
+
+def _reference_curves(steps, make):
+    """The loss before each update, training OddMLP from torch.manual_seed(0) on the one batch
+    make_batch("mlp", 12, seed=0), as the exercise asks; and the curves of two classic mistakes."""
+    from ..models import make_batch
+
+    out = {}
+    for name in ("right", "after", "accumulate"):
+        torch.manual_seed(0)
+        model = OddMLP()
+        opt = make(model.parameters())
+        losses = []
+        x, y = make_batch("mlp", 12, seed=0)
+        for step in range(steps):
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            if name != "accumulate":
+                opt.zero_grad()
+            with torch.no_grad():
+                losses.append(float(torch.nn.functional.mse_loss(model(x), y)) if name == "after" else loss.item())
+        out[name] = losses
+    return out
+
+
+def _curve_case(rank, world_size, fn, steps):
+    def make(params):
+        return torch.optim.AdamW(params, foreach=False, **CURVE_HYPER)
+
+    theirs = fn(make, steps)
+    reference = _reference_curves(steps, make)
+    if not isinstance(theirs, (list, tuple)) or len(theirs) != steps:
+        return (f"loss_curve(make_optimizer, {steps}) returned {type(theirs).__name__}"
+                + (f" of length {len(theirs)}" if isinstance(theirs, (list, tuple)) else "")
+                + f": expected a list of {steps} losses, one per step")
+    try:
+        got = torch.tensor([float(v) for v in theirs], dtype=torch.float64)
+    except (TypeError, ValueError):
+        return "loss_curve must return numbers (loss.item() of each step's loss)"
+
+    def same(name):
+        return bool(torch.allclose(got, torch.tensor(reference[name], dtype=torch.float64), rtol=1e-5, atol=1e-7))
+
+    if same("right"):
+        return None
+    if same("after"):
+        return ("your curve holds each step's loss after the optimizer's step: record the loss you call .backward() "
+                "on, before opt.step()")
+    if same("accumulate"):
+        return ("your curve matches training whose gradients are never cleared: backward adds into .grad, so "
+                "call opt.zero_grad() after each opt.step()")
+    right = reference["right"]
+    first = next(i for i in range(steps) if abs(float(got[i]) - right[i]) > 1e-5 * abs(right[i]) + 1e-7)
+    if first == 0:
+        return (f"the loss before the first step is {float(got[0]):.6g}, expected {right[0]:.6g}: build OddMLP() right "
+                "after torch.manual_seed(0), and train it on make_batch(\"mlp\", 12, seed=0) with F.mse_loss")
+    return (f"your losses agree with torch.optim.AdamW's for {first} steps, then differ: at step {first} "
+            f"{float(got[first]):.6g}, expected {right[first]:.6g}")
+
+
+def check_loss_curve(fn, steps=60, timeout=60.0):
+    """The optional exercise: loss_curve(make_optimizer, steps) returns the loss before each of
+    `steps` updates on one batch. Prints ✓, or ✗ and why, or that it was skipped; never raises (it is
+    worth no points), and returns whether it passed."""
+    if fn is None:
+        print("optional exercise skipped (no loss_curve defined): no points either way")
+        return False
+    try:
+        problem = run_on_ranks(_curve_case, 1, args=(fn, steps), timeout=timeout, forbid_adam=False,
+                               what="loss_curve")[0]
+    except CheckFailed as exc:
+        if "NotImplementedError" in str(exc):
+            print("optional exercise skipped (loss_curve is still the stub): no points either way")
+            return False
+        problem = str(exc).splitlines()[0]
+    if problem:
+        print(f"✗ optional exercise (no points): {problem}")
+        return False
+    passed(f"loss_curve reproduces the losses of torch.optim.AdamW training over {steps} steps")
+    return True
 
 
 check_adam_numerics = alias(check_numerics, "check_adam_numerics")

@@ -11,10 +11,15 @@ r"""Checks for lesson 02 (data parallel Adam): the mean gradient, and replicas t
                                                     flat buffer or one per parameter), no broadcast
                                                     or all-gather of the parameters
 
-One bug costs one check. The class checks run the student's class with zerokit's own
+One bug costs one check. The class checks run the student's class with a reference
 `average_gradients` in place of the student's function of exercise (a) (the name is
 swapped in the globals the class's methods see), so a wrong mean costs exercise (a)'s
 points only; a class that averages inline, without the function, is judged as written.
+The reference is the exercise's own contract (one flat all-reduce of the gradients that
+exist, divided by N), so a right class moves exactly the gradient's elements per step.
+
+Ψ is the number of trainable elements, as lesson 01 counts it, in every message; where some
+parameters get no gradient (edge's `unused`), the messages say how many elements do.
 
 The reference (torch.optim.AdamW, foreach=False, one process, the whole batch) runs in a
 separate one-rank launch, since the checked ranks run with torch's Adam disabled.
@@ -30,7 +35,7 @@ from ..comm import CommCounter
 from ..models import build_model
 from .compare import assert_close, max_abs_diff
 from .harness import CheckFailed, passed, run_on_ranks
-from .kit import adamw_reference, alias, batch_backward, check_class, refusing, trainable
+from .kit import adamw_reference, alias, batch_backward, check_class, psi_of, refusing, trainable
 
 __all__ = ["check_average_gradients", "check_numerics", "check_traffic"]
 
@@ -66,6 +71,16 @@ def _refuse_zerokit_function(fn):
 # exercise (a): average_gradients
 
 
+def _psi_words(psi, with_grad):
+    """'Ψ = 1267', or 'Ψ = 745, of which 706 get a gradient' where some parameters get none."""
+    return f"Ψ = {psi}" if with_grad == psi else f"Ψ = {psi}, of which {with_grad} get a gradient"
+
+
+def _psi_elements(psi, with_grad):
+    """'Ψ = 1267 elements', or 'Ψ's 706 elements that have a gradient (Ψ = 745)'."""
+    return f"Ψ = {psi} elements" if with_grad == psi else f"Ψ's {with_grad} elements that have a gradient (Ψ = {psi})"
+
+
 def _describe_wrong_mean(mine, expected, local, world_size):
     """Why a rank's averaged gradient is wrong, in one sentence, or ''."""
     ratio = float((mine.double() * expected.double()).sum() / (expected.double() ** 2).sum().clamp_min(1e-300))
@@ -73,6 +88,11 @@ def _describe_wrong_mean(mine, expected, local, world_size):
         return (f" It is {world_size} x the mean: the ranks' gradients were summed (all-reduce's default, "
                 f"ReduceOp.SUM) but not divided by N = {world_size}. The loss is a mean over the whole batch, so "
                 "its gradient is the mean of the ranks' gradients: divide by N, or use ReduceOp.AVG.")
+    if expected.abs().max() > 0 and abs(ratio * world_size - 1) < 1e-3:
+        return (f" It is 1/{world_size} of the mean: the ranks' gradients were averaged twice (divided by N = "
+                f"{world_size} twice: ReduceOp.AVG already divides by N, so a division after it is one too many). "
+                "The loss is a mean over the whole batch, so its gradient is the mean of the ranks' gradients: "
+                "divide once, or use ReduceOp.AVG alone.")
     if local is not None and max_abs_diff(mine, local) <= 1e-7 * (1 + float(local.abs().max())):
         return (" It is still this rank's own micro-batch gradient: the mean never reached .grad (no "
                 "all-reduce, or one whose result was not copied back: dist.all_reduce works in place, on the "
@@ -89,7 +109,7 @@ def _average_case(rank, world_size, fn, name):
         model.zero_grad(set_to_none=True)
         _backward(model, 0, name, rank, world_size)  # this rank's micro-batch
         local = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
-        psi = _used_numel(model)
+        psi, with_grad = psi_of(model), _used_numel(model)
         with CommCounter() as comm:
             fn(params)
         for n, p in model.named_parameters():
@@ -115,14 +135,14 @@ def _average_case(rank, world_size, fn, name):
     reduced = sum(ops.get("all_reduce", []))
     n_params = len(trainable(model))
     said = ", ".join(f"{op} x{len(v)} ({sum(v)} elements)" for op, v in ops.items()) or "no collective"
-    if not psi <= reduced <= psi + n_params + SMALL:
+    if not with_grad <= reduced <= psi + n_params + SMALL:
         raise AssertionError(
-            f"your function called {said}; expected all-reduces of Ψ = {psi} elements in all (the gradients "
-            "that exist: one flat buffer, or one call per parameter), each element sent once")
+            f"your function called {said}; expected all-reduces of {_psi_elements(psi, with_grad)} in all (the "
+            "gradients that exist: one flat buffer, or one call per parameter), each element sent once")
     other = {op: sum(v) for op, v in ops.items() if op != "all_reduce"}
     if sum(other.values()) > SMALL:
         raise AssertionError(f"your function called {said}: the mean gradient needs only an all-reduce")
-    return psi, ops
+    return psi, with_grad, ops
 
 
 def check_average_gradients(fn, world_size=2, model="small-mlp", timeout=60.0):
@@ -132,11 +152,11 @@ def check_average_gradients(fn, world_size=2, model="small-mlp", timeout=60.0):
     if not callable(fn):
         raise CheckFailed(f"expected your function average_gradients, got {type(fn).__name__}")
     _refuse_zerokit_function(fn)
-    psi, ops = run_on_ranks(_average_case, world_size, args=(fn, model), timeout=timeout,
-                            what="average_gradients")[0]
+    psi, with_grad, ops = run_on_ranks(_average_case, world_size, args=(fn, model), timeout=timeout,
+                                       what="average_gradients")[0]
     calls = ", ".join(f"{op} x{len(v)}" for op, v in ops.items())
     passed(f"average_gradients gives every rank the whole batch's gradient on {world_size} ranks ({model}, "
-           f"Ψ = {psi}) with {calls} of {sum(ops['all_reduce'])} elements")
+           f"{_psi_words(psi, with_grad)}) with {calls} of {sum(ops['all_reduce'])} elements")
 
 
 # ---------------------------------------------------------------------------------------
@@ -150,11 +170,30 @@ def _check_class(cls):
                 base_hint="keep the scaffold's base class")
 
 
-_REFERENCE_AVERAGE = zerokit_ddp.average_gradients  # taken before any check refuses it
+@torch.no_grad()
+def _reference_average(params):
+    """Exercise (a) as its contract states it: every gradient that exists, end to end in one flat
+    buffer, all-reduced once, divided by N, copied back; a .grad that is None stays None (in the
+    lesson's models a parameter without a gradient has none on every rank). Unlike
+    zerokit.ddp.average_gradients it sends no count per parameter, so a right class moves
+    exactly the gradient's elements."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    flat.div_(dist.get_world_size())
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+_REFERENCE_AVERAGE = _reference_average
 
 
 def _use_reference_average(cls):
-    """Give the class zerokit's average_gradients wherever its methods would call the student's."""
+    """Give the class the reference average_gradients wherever its methods would call the student's."""
     for klass in cls.__mro__:
         for value in vars(klass).values():
             fn = inspect.unwrap(value) if callable(value) else None
@@ -193,6 +232,21 @@ def _first_replica_difference(flat):
 
 # ---------------------------------------------------------------------------------------
 # numerics: replicas equal, and equal to torch.optim.AdamW on the whole batch
+
+
+def _wrong_scale(mine, ref, what, world_size):
+    """Why Adam's m or v differs, when the gradient it saw had the wrong scale; a general hint otherwise."""
+    power = 2 if what == "v" else 1  # v averages the square of the gradient
+    ratio = float((mine.double() * ref.double()).sum() / (ref.double() ** 2).sum().clamp_min(1e-300))
+    for factor, words in ((world_size ** power, f"{world_size ** power} x AdamW's: Adam stepped with the sum of the "
+                           "ranks' gradients where the mean over the ranks, not the sum, belongs (divide by N)"),
+                          (world_size ** -power, f"1/{world_size ** power} of AdamW's: the gradient you stepped "
+                           f"with was divided by N = {world_size} twice (averaged twice)")):
+        if abs(ratio - factor) < 1e-3 * factor:
+            return (f". Your {what} is {words}. Adam's weights hardly show a wrong scale (it is nearly "
+                    "scale-invariant); its m and v do")
+    return (". Adam's state sees the gradient you stepped with: is it the mean over the ranks, not the sum, "
+            "and averaged once?")
 
 
 def _numerics_case(rank, world_size, cls, name, steps, weight_decay, reference):
@@ -244,9 +298,8 @@ def _numerics_case(rank, world_size, cls, name, steps, weight_decay, reference):
                             assert_close(state[p][key], ref, f"{what} (state['{key}']) of {n} {after}",
                                          atol=1e-5 * scale + 1e-12, rtol=1e-4)
                         except AssertionError as exc:
-                            raise AssertionError(
-                                f"{exc}\n  (Adam's state sees the gradient you stepped with: is it the mean over "
-                                "the ranks, not the sum?)") from None
+                            raise AssertionError(f"{exc}{_wrong_scale(state[p][key], ref, what, world_size)}") \
+                                from None
                 assert_close(p.detach(), record["params"][n], f"parameter {n} {after}")
     return sum(p.numel() for _, p in trainable(model))
 
@@ -277,7 +330,7 @@ def _comm_case(rank, world_size, cls, name, steps, weight_decay):
         per_step = []
         for step in range(steps):
             _backward(model, step, name, rank, world_size)
-            psi = _used_numel(model)
+            psi, with_grad = psi_of(model), _used_numel(model)
             with CommCounter() as comm:
                 opt.step()
             opt.zero_grad()
@@ -303,13 +356,13 @@ def _comm_case(rank, world_size, cls, name, steps, weight_decay):
         reduced = sum(ops.get("all_reduce", []))
         if reduced == 0:
             raise AssertionError(f"{when}: no all-reduce of the gradient (data parallel's one collective per step)")
-        if not psi <= reduced <= psi + n_params + SMALL:
+        if not with_grad <= reduced <= psi + n_params + SMALL:
             raise AssertionError(f"{when}: all-reduces of {reduced} elements in all; expected the gradient, "
-                                 f"Ψ = {psi} elements, once (one flat buffer or one call per parameter)")
+                                 f"{_psi_elements(psi, with_grad)}, once (one flat buffer or one call per parameter)")
         other = {op: sum(v) for op, v in ops.items() if op != "all_reduce"}
         if sum(other.values()) > SMALL:
             raise AssertionError(f"{when}: data parallel needs one all-reduce of the gradient and nothing else")
-    return psi, per_step[-1]
+    return psi, with_grad, per_step[-1]
 
 
 def check_traffic(cls, world_size=2, model="small-mlp", steps=2, weight_decay=0.01, timeout=60.0):
@@ -317,12 +370,14 @@ def check_traffic(cls, world_size=2, model="small-mlp", steps=2, weight_decay=0.
     all-gather of the parameters."""
     __tracebackhide__ = True
     _check_class(cls)
-    psi, calls = run_on_ranks(_comm_case, world_size, args=(cls, model, steps, weight_decay),
-                              timeout=timeout, what=cls.__name__)[0]
+    psi, with_grad, calls = run_on_ranks(_comm_case, world_size, args=(cls, model, steps, weight_decay),
+                                         timeout=timeout, what=cls.__name__)[0]
     reduced = sum(numel for op, numel in calls if op == "all_reduce")
     count = sum(1 for op, _ in calls if op == "all_reduce")
-    passed(f"per step on {world_size} ranks: {count} all-reduce call(s) of {reduced} elements in all "
-           f"(Ψ = {psi}; volume 2Ψ = {2 * reduced}), no broadcast of the parameters")
+    extra = reduced - with_grad
+    what = "the gradient" + (f" and {extra} elements of bookkeeping" if extra else "")
+    passed(f"per step on {world_size} ranks ({model}, {_psi_words(psi, with_grad)}): {count} all-reduce call(s) of "
+           f"{reduced} elements in all, {what} (volume 2 x {reduced} = {2 * reduced}); no broadcast of the parameters")
 
 
 check_ddp_numerics = alias(check_numerics, "check_ddp_numerics")

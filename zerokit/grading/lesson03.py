@@ -3,9 +3,16 @@ r"""Checks for lesson 03 (ZeRO-1): padded shards, and an Adam step on one shard 
     check_shard_range(shard_range, world_size)   equal shards tiling ceil(numel/N)*N, nothing dropped
     check_numerics(cls, world_size, model)       weights after every step AND this rank's m, v shard
                                                  against torch.optim.AdamW on the whole batch
+    check_unused_parameters(cls, world_size)     parameters without a gradient as AdamW treats them:
+                                                 none on any rank -> left alone (no decay, m, v, step
+                                                 count unchanged); on some ranks -> updated; a step
+                                                 count per parameter
     check_memory(cls, world_size, model)         what the optimizer keeps alive per rank: ~8Ψ/N bytes
     check_traffic(cls, world_size, model)        per step one reduce-scatter and one all-gather
                                                  of Ψ (+padding), no all-reduce of the gradient
+    check_param_groups(cls)                      the optional stretch: several param groups, each
+                                                 with its own settings (try_stretch: the ungraded
+                                                 cell's call, which prints ✓ or the reason, never raises)
 
 Each class check answers one question, so one bug costs one check: the numbers (numerics),
 the stage's memory promise (memory), the stage's traffic. An implementation
@@ -32,13 +39,13 @@ from .. import zero1 as zerokit_zero1
 from ..comm import CommCounter, reduce_scatter
 from ..flat import padded_numel
 from ..flat import shard_range as reference_shard_range
-from ..models import build_model
+from ..models import build_model, model_loss
 from .compare import assert_close
 from .harness import CheckFailed, passed, run_on_ranks
-from .kit import (adamw_reference, alias, assert_changed, batch_backward, check_class, optimizer_held_bytes, psi_of,
-                  refusing, trainable)
+from .kit import (adamw_reference, alias, assert_changed, batch_backward, check_class, gather_object,
+                  optimizer_held_bytes, psi_of, rank_batch, refusing, trainable)
 
-__all__ = ["check_shard_range", "check_numerics", "check_memory", "check_traffic"]
+__all__ = ["check_shard_range", "check_numerics", "check_memory", "check_traffic", "check_unused_parameters"]
 
 GLOBAL_BATCH = 12  # divisible by 2, 3 and 4: every rank gets its own, equal slice
 STREAM = 303  # this lesson's data
@@ -201,6 +208,7 @@ def _numerics_case(rank, world_size, cls, name, steps, weight_decay, reference):
             named = dict(model.named_parameters())
             return torch.cat([named[n].detach().reshape(-1) for n in trainable]).clone()
 
+        prev = {"exp_avg": torch.zeros(end - start), "exp_avg_sq": torch.zeros(end - start)}  # AdamW's, last step
         for step in range(steps):
             before = flat_weights()
             _train_step(name, model, opt, step, rank, world_size)
@@ -210,6 +218,7 @@ def _numerics_case(rank, world_size, cls, name, steps, weight_decay, reference):
             after = f"after step {step + 1}"
             # the state first: it names the cause (a sum for a mean, state that does not persist)
             # where the weights would only say "differs"
+            state = {}
             for attr, ref, what in (("exp_avg", ref_m, "m"), ("exp_avg_sq", ref_v, "v")):
                 expected = torch.cat([ref, torch.zeros(pad)])[start:end]
                 mine = _own_state(opt, attr, psi, world_size, rank)
@@ -218,10 +227,11 @@ def _numerics_case(rank, world_size, cls, name, steps, weight_decay, reference):
                     assert_close(mine, expected, f"{what} (self.{attr}, this rank's shard) {after}",
                                  atol=1e-5 * scale + 1e-12, rtol=STATE_RTOL)
                 except AssertionError as exc:
-                    raise AssertionError(
-                        f"{exc}\n  (a wrong m or v can hide behind right weights for a while: Adam's step hardly "
-                        "depends on the gradient's scale. Is the reduce-scatter an average, ReduceOp.AVG? Do m "
-                        "and v persist from step to step, updated in place?)") from None
+                    cause = _state_cause(f"{what} (self.{attr}, this rank's shard) {after}", attr, mine, expected,
+                                         prev[attr], world_size)
+                    raise AssertionError(f"{cause}\n  {exc}") from None
+                state[attr] = expected
+            prev = state
             now = flat_weights()
             mask = torch.ones(psi, dtype=torch.bool)
             mask[start:min(end, psi)] = False
@@ -235,10 +245,57 @@ def _numerics_case(rank, world_size, cls, name, steps, weight_decay, reference):
                 try:
                     assert_close(named[n].detach(), ref_params[n], f"parameter {n} {after}")
                 except AssertionError as exc:
-                    raise AssertionError(
-                        f"{exc}\n  (m and v of your shard are right, so the gradient and the state are: look at "
-                        "the update itself, e.g. the step count t of the bias correction, lr, weight decay)") from None
+                    t = _step_count_used(before[start:min(end, psi)], now[start:min(end, psi)], state, step,
+                                         opt.param_groups[0] if opt.param_groups else {}, weight_decay)
+                    cause = (f"parameter {n} {after}: m and v of your shard are right, but the update used the step "
+                             f"count t = {t} in the bias correction, and AdamW's is {step + 1}: count the steps "
+                             "(+1 per step() that updates the parameter) and pass that count to adamw_update_"
+                             if t is not None else
+                             f"parameter {n} {after} differs, though m and v of your shard are right: the gradient "
+                             "and the state are, so look at the update itself (the step count t of the bias "
+                             "correction, lr, weight decay)")
+                    raise AssertionError(f"{cause}\n  {exc}") from None
     return psi
+
+
+def _state_cause(what, attr, mine, expected, previous, world_size):
+    """Why this rank's m or v differs from AdamW's, where its numbers say it (the first line of the reason)."""
+    beta = HYPER["betas"][0 if attr == "exp_avg" else 1]
+    power = 1 if attr == "exp_avg" else 2  # v squares the gradient
+    close = lambda a, b: bool(torch.allclose(a, b, rtol=1e-3, atol=1e-6 * float(b.abs().max()) + 1e-12))  # noqa: E731
+    if world_size > 1 and close(mine, world_size ** power * expected):
+        return (f"{what} is {world_size ** power} x AdamW's ({'N²' if power == 2 else 'N'}, N = {world_size}): "
+                "the reduce-scatter summed the ranks' gradients; the loss is a mean over the whole "
+                "batch, so average them (ReduceOp.AVG)")
+    if not bool(mine.abs().max() > 0) and bool(expected.abs().max() > 0):
+        return (f"{what} is still all zeros: your update changed a copy or a local name, not self.{attr} (`m = "
+                f"beta * m + ...` rebinds a name and leaves the stored state behind). Update self.{attr} in place "
+                "(mul_, add_, addcmul_, or adamw_update_ on a view of it)")
+    if bool(previous.abs().max() > 0) and close(mine, expected - beta * previous):
+        return (f"{what} holds only this step's gradient: m and v do not persist from step to step. Update "
+                f"self.{attr} in place (mul_, add_, addcmul_, or adamw_update_ on a view of it); `m = beta * m + ...` "
+                "or an update of a copy leaves the stored state behind")
+    return (f"{what} differs from AdamW's (a wrong m or v can hide behind right weights for a while: Adam's step "
+            "hardly depends on the gradient's scale. Is the reduce-scatter an average, ReduceOp.AVG? Do m and v "
+            "persist from step to step, updated in place?)")
+
+
+def _step_count_used(before, after, state, step, group, weight_decay, candidates=8):
+    """The step count t that AdamW's update from `before`, with this step's (right) m and v, needs to
+    give `after` on this rank's shard, if one other than step + 1 does; else None."""
+    lr, eps = HYPER["lr"], HYPER["eps"]
+    beta1, beta2 = HYPER["betas"]
+    m, v = state["exp_avg"][:before.numel()].double(), state["exp_avg_sq"][:before.numel()].double()
+    if not before.numel():
+        return None
+    for t in range(1, step + 1 + candidates):
+        if t == step + 1:
+            continue
+        guess = before.double() * (1 - lr * weight_decay) - lr / (1 - beta1 ** t) * m / (
+            v.sqrt() / (1 - beta2 ** t) ** 0.5 + eps)
+        if bool(torch.allclose(after.double(), guess, rtol=1e-5, atol=1e-6)):
+            return t
+    return None
 
 
 def check_numerics(cls, world_size=2, model="small-mlp", steps=4, weight_decay=0.01, timeout=60.0):
@@ -258,12 +315,41 @@ def check_numerics(cls, world_size=2, model="small-mlp", steps=4, weight_decay=0
 # memory: what the optimizer keeps alive per rank
 
 
+def _attribute_tensors(opt):
+    """[(how to find it, numel, storage key)] for every tensor the optimizer's attributes reach
+    (one level into lists, tuples and dicts, and its `state`), first name per storage."""
+    found, seen = [], set()
+
+    def add(label, t):
+        if isinstance(t, torch.Tensor) and not t.is_meta:
+            key = (t.device.type, t.untyped_storage().data_ptr())
+            if key not in seen:
+                seen.add(key)
+                found.append((label, t.untyped_storage().nbytes() // max(t.element_size(), 1), key))
+
+    for attr, value in vars(opt).items():
+        if attr in ("param_groups", "defaults"):
+            continue
+        if attr == "state":
+            for i, st in enumerate(value.values()):
+                for k, t in (st.items() if isinstance(st, dict) else ()):
+                    add(f"self.state[<parameter {i}>][{k!r}]", t)
+            continue
+        add(f"self.{attr}", value)
+        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, (list, tuple)) \
+            else ()
+        for k, t in items:
+            add(f"self.{attr}[{k!r}]", t)
+    return found
+
+
 def _memory_case(rank, world_size, cls, name, steps, weight_decay):
     # The worker was forked from a process that has run no tensor operation: no tensor is alive
     # yet. Freezing moves the ~300k objects alive now into the collector's permanent generation,
     # which gc.collect() and gc.get_objects() skip, so the scans below see only what this
     # check creates (a full scan would cost about a second per rank).
     gc.freeze()
+    built = []
     try:
         with refusing(*NO_ZEROKIT_STAGE):
             model = build_model(name)
@@ -276,15 +362,20 @@ def _memory_case(rank, world_size, cls, name, steps, weight_decay):
 
             def run_steps(model):
                 opt = _make(cls, model, weight_decay)
+                built.append(opt)
                 for step in range(steps):
                     _train_step(name, model, opt, step, rank, world_size)
                 return opt
 
             held_bytes, held = optimizer_held_bytes(model, run_steps)
             assert_changed(model, initial)
+            # what the held tensors are, where the optimizer's attributes name them
+            model_storages = {(p.device.type, p.untyped_storage().data_ptr()) for p in model.parameters()}
+            named = [(label, numel) for label, numel, key in _attribute_tensors(built[0]) if key not in model_storages]
+            built.clear()
     finally:
         gc.unfreeze()
-    return held_bytes, held, psi, -(-psi // world_size)
+    return held_bytes, held, psi, -(-psi // world_size), named
 
 
 def check_memory(cls, world_size=4, model="wide-mlp", steps=2, weight_decay=0.01, timeout=60.0):
@@ -296,22 +387,41 @@ def check_memory(cls, world_size=4, model="wide-mlp", steps=2, weight_decay=0.01
         raise ValueError("use world_size >= 3: at N = 2 one full-size tensor weighs as much as two shards")
     results = run_on_ranks(_memory_case, world_size, args=(cls, model, steps, weight_decay),
                            timeout=timeout, what=cls.__name__)
-    for rank, (held_bytes, held, psi, shard) in enumerate(results):
+    for rank, (held_bytes, held, psi, shard, named) in enumerate(results):
         expected = 8 * shard
         limit = expected + 4 * shard + SCALARS_ALLOWANCE
         if held_bytes > limit:
-            full = [numel for _, numel in held if numel >= psi]
-            biggest = ", ".join(f"{numel} elements ({nbytes} B)" for nbytes, numel in held[:4])
-            why = (f"{len(full)} of them as large as the whole model (Ψ = {psi} elements): a full copy on every "
-                   "rank is exactly what ZeRO-1 removes" if full else
-                   "more than this rank's shard needs")
-            raise CheckFailed(
-                f"[rank {rank}] your optimizer keeps {held_bytes} B of tensors alive between steps; ZeRO-1 needs "
-                f"m and v for this rank's shard only: 2 x 4 B x ceil(Ψ/N) = 2 x 4 x {shard} = {expected} B "
-                f"(limit {limit} B). Largest: {biggest}; {why}. Allocate m and v with the shard's size.")
-    held_bytes, _, psi, shard = results[0]
+            raise CheckFailed(f"[rank {rank}] your optimizer keeps {held_bytes} B of tensors alive between steps; "
+                              f"ZeRO-1 needs m and v for this rank's shard only: 2 x 4 B x ceil(Ψ/N) = 2 x 4 x "
+                              f"{shard} = {expected} B (limit {limit} B). " + _what_is_held(held, named, psi, shard))
+    held_bytes, _, psi, shard, _ = results[0]
     passed(f"optimizer state per rank on {world_size} ranks: {held_bytes} B = 8 x ceil(Ψ/N) = 8 x {shard} "
            f"(Ψ = {psi}); unsharded m and v would be {8 * psi} B")
+
+
+def _what_is_held(held, named, psi, shard):
+    """The diagnosis: which of the held tensors are too big, by the attribute that holds them."""
+    mv = {label: numel for label, numel in named if label in ("self.exp_avg", "self.exp_avg_sq")}
+    big = [(label, numel) for label, numel in named if numel > shard and label not in mv]
+    full_mv = {label: numel for label, numel in mv.items() if numel > shard}
+    if full_mv:
+        numel = max(full_mv.values())
+        size = "as large as the whole model" if numel >= psi else f"more than this rank's shard ({shard})"
+        return (f"{' and '.join(full_mv)} {'have' if len(full_mv) > 1 else 'has'} {numel} elements, {size} "
+                f"(Ψ = {psi}): a full copy of m and v on every rank is exactly what ZeRO-1 removes. Allocate m and "
+                "v with the shard's size.")
+    biggest = ", ".join(f"{numel} elements ({nbytes} B)" for nbytes, numel in held[:4])
+    if big:
+        what = "; ".join(f"{label}: {numel} elements" + (", as large as the whole model" if numel >= psi else "")
+                         for label, numel in big[:3])
+        shard_sized = " (m and v are shard-sized, as they should be)" if mv else ""
+        return (f"Besides m and v{shard_sized}, your optimizer keeps {what} between steps: a buffer needed only "
+                "inside step() (the flat gradient, say) should be a local variable, not an attribute.")
+    full = [numel for _, numel in held if numel >= psi]
+    why = (f"{len(full)} of them as large as the whole model (Ψ = {psi} elements), and not held by an attribute of "
+           "the optimizer (a closure, a hook, a global?): a full copy on every rank is what ZeRO-1 removes"
+           if full else "more than this rank's shard needs")
+    return f"Largest: {biggest}; {why}."
 
 
 # ---------------------------------------------------------------------------------------
@@ -369,6 +479,213 @@ def check_traffic(cls, world_size=2, model="small-mlp", steps=2, weight_decay=0.
     volume = sum(numel * (2 if op == "all_reduce" else 1) for op, numel in calls)
     passed(f"per step on {world_size} ranks: {', '.join(f'{op} {numel}' for op, numel in calls)} elements = "
            f"{volume} ≈ 2Ψ (Ψ = {psi}), no all-reduce of the gradient")
+
+
+# ---------------------------------------------------------------------------------------
+# parameters without a gradient: AdamW leaves them alone
+
+
+def _branch_used(step, rank):
+    """Whether `rank` runs BranchNet's branch in `step`: every rank, none, every rank, even ranks only."""
+    return (True, False, True, rank % 2 == 0)[step % 4]
+
+
+def _unused_backward(net, step, name, world_size, rank=None):
+    """The gradient of `step` on this rank's slice (rank None: the mean over every rank's slice in
+    one process, as the reference sees it). On "branch" each rank runs the branch or not, as
+    _branch_used says; "edge" never uses its `unused` layer."""
+    if name != "branch":
+        batch_backward(net, name, step, GLOBAL_BATCH, STREAM, rank, world_size)
+        return
+    for r in range(world_size) if rank is None else (rank,):
+        x, y = rank_batch(name, step, GLOBAL_BATCH, r, world_size, STREAM)
+        loss = model_loss(name, net(x, use_branch=_branch_used(step, r)), y)
+        (loss / world_size if rank is None else loss).backward()
+
+
+def _unused_hint(name, step, history, world_size, before, after, expected):
+    """The cause of a wrong parameter after `step`, where the presence of its gradient explains it."""
+    when = f"step {step + 1}"
+    had = history[step][name]
+    if not had:
+        return (f"{when}: {name} had no gradient on any rank, so AdamW leaves it alone (no weight decay, m and v "
+                "unchanged, no step counted), but your step changed it: skip every parameter that no rank has a "
+                "gradient for")
+    if len(had) < world_size and bool(((after == before) & (expected != before)).any()):
+        return (f"{when}: {name} had a gradient on rank(s) {', '.join(map(str, had))} of {world_size} only, and some "
+                "of its elements were not updated: it must still be updated (the other ranks add zeros to the "
+                "mean). Decide what to skip from every rank's gradients together (one tiny all-reduce of a flag "
+                "per parameter), not from this rank's .grad")
+    skipped = [t + 1 for t in range(step) if not history[t][name]]
+    if skipped:
+        count = step + 1 - len(skipped)
+        return (f"{when}: {name} had no gradient in step {', '.join(map(str, skipped))}, so AdamW has counted "
+                f"{count} steps for it, not {step + 1}: the bias correction 1 - β^t needs a step count per "
+                "parameter")
+    return f"{when}: {name} differs from torch.optim.AdamW's"
+
+
+# The weights of parameters with a gradient are compared at a tolerance of about 1e-4: what this
+# check is about moves a weight by a large part of a step (lr = 1e-2): a skipped update, a wrong
+# step count in the bias correction (14% of a step). A gradient of the wrong scale moves it by
+# ~1e-5 (Adam divides the scale out) and is check_numerics' business, as is m and v's scale.
+UNUSED_ATOL, UNUSED_RTOL = 2e-4, 1e-3
+
+
+def _unused_case(rank, world_size, cls, name, steps, weight_decay, reference):
+    with refusing(*NO_ZEROKIT_STAGE):
+        model = build_model(name)
+        psi = psi_of(model)
+        start, end = reference_shard_range(psi, world_size, rank)
+        named = trainable(model)
+        where, offset = {}, 0  # parameter name -> its elements in this rank's shard of m and v
+        for n, p in named:
+            lo, hi = max(offset, start), min(offset + p.numel(), end)
+            if lo < hi:
+                where[n] = (lo - start, hi - start)
+            offset += p.numel()
+        opt = _make(cls, model, weight_decay)
+        history = []  # per step: {parameter name: the ranks that had a gradient for it}
+        for step in range(steps):
+            before = {n: p.detach().clone() for n, p in model.named_parameters()}
+            _unused_backward(model, step, name, world_size, rank)
+            mine = {n: p.grad is not None for n, p in named}
+            everyone = gather_object(mine)
+            history.append({n: [r for r in range(world_size) if everyone[r][n]] for n, _ in named})
+            state_before = {attr: _own_state(opt, attr, psi, world_size, rank).clone() if step else None
+                            for attr in ("exp_avg", "exp_avg_sq")}
+            opt.step()
+            opt.zero_grad()
+            record = reference[step]
+            for n, p in model.named_parameters():
+                now, want = p.detach(), record["params"][n]
+                if n in history[step] and not history[step][n]:
+                    wrong = not torch.equal(now, before[n])  # AdamW leaves it exactly as it was
+                else:
+                    wrong = not torch.allclose(now, want, atol=UNUSED_ATOL, rtol=UNUSED_RTOL)
+                if wrong:
+                    cause = _unused_hint(n, step, history, world_size, before[n], now, want)
+                    diff = float((now - want).abs().max())
+                    raise AssertionError(f"{cause}\n  parameter {n} after step {step + 1}: max |difference| to "
+                                         f"torch.optim.AdamW {diff:.3g}")
+            for attr, what in (("exp_avg", "m"), ("exp_avg_sq", "v")):
+                if state_before[attr] is None:
+                    continue
+                now = _own_state(opt, attr, psi, world_size, rank)
+                for n, (lo, hi) in where.items():
+                    if not history[step][n] and not torch.equal(now[lo:hi], state_before[attr][lo:hi]):
+                        raise AssertionError(
+                            f"step {step + 1}: {n} had no gradient on any rank, so AdamW leaves its {what} as it "
+                            f"was, but your step changed self.{attr} there: skip every parameter that no rank has "
+                            "a gradient for, its moments too")
+    return True
+
+
+def _unused_cases(rank, world_size, cls, names, steps, weight_decay, references):
+    for name, reference in zip(names, references):
+        try:
+            _unused_case(rank, world_size, cls, name, steps, weight_decay, reference)
+        except AssertionError as exc:
+            raise AssertionError(f"{name}: {exc}") from None
+    return True
+
+
+def check_unused_parameters(cls, world_size=2, models=("edge", "branch"), weight_decay=0.1, steps=4, timeout=60.0):
+    """Parameters without a gradient, as torch.optim.AdamW treats them: one that no rank has a gradient
+    for is left alone (no weight decay, m and v unchanged, no step counted); one that some ranks have
+    a gradient for is updated with the mean. "edge" has a layer that is never used; on "branch" the
+    ranks run a branch in turn: all of them, none, all, even ranks only."""
+    __tracebackhide__ = True
+    _check_class(cls)
+    hyper = {**HYPER, "weight_decay": weight_decay}
+    references = [adamw_reference(name, steps, hyper, _unused_backward, (name, world_size), timeout=timeout)
+                  for name in models]
+    # one launch for every model: the ranks start once
+    run_on_ranks(_unused_cases, world_size, args=(cls, list(models), steps, weight_decay, references),
+                 timeout=timeout, what=f"{cls.__name__} on {', '.join(models)}")
+    passed(f"{cls.__name__} treats parameters without a gradient as torch.optim.AdamW does on {world_size} ranks "
+           f"({', '.join(models)}, weight decay {weight_decay:g}): weights and this rank's m, v shard after each of "
+           f"{steps} steps")
+
+
+# ---------------------------------------------------------------------------------------
+# the stretch exercise: several param groups (checked when attempted, worth no points)
+
+# edge's parameters in two groups: the second holds the never-used layer, with weight decay
+GROUPS = ({"prefixes": ("embed", "block"), "lr": 1e-2, "weight_decay": 0.1},
+          {"prefixes": None, "lr": 3e-3, "weight_decay": 0.05, "betas": (0.8, 0.99)})
+
+
+def _grouped(model):
+    """The model's parameters (frozen ones too) in GROUPS, as param-group dicts."""
+    first = [p for n, p in model.named_parameters() if n.startswith(GROUPS[0]["prefixes"])]
+    rest = [p for n, p in model.named_parameters() if not n.startswith(GROUPS[0]["prefixes"])]
+    return [{"params": ps, **{k: v for k, v in g.items() if k != "prefixes"}} for ps, g in zip((first, rest), GROUPS)]
+
+
+def _groups_reference_case(_rank, _world_size, name, steps):
+    net = build_model(name)
+    opt = torch.optim.AdamW(_grouped(net), foreach=False, **HYPER)
+    out = []
+    for step in range(steps):
+        _backward(net, step, name)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        out.append({n: p.detach().clone() for n, p in net.named_parameters()})
+    return out
+
+
+def _groups_case(rank, world_size, cls, name, steps, reference):
+    with refusing(*NO_ZEROKIT_STAGE):
+        model = build_model(name)
+        opt = cls(_grouped(model), **HYPER)
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise AssertionError(f"{type(opt).__name__} is not a torch.optim.Optimizer")
+        group_of = {n: 0 if n.startswith(GROUPS[0]["prefixes"]) else 1 for n, _ in model.named_parameters()}
+        for step in range(steps):
+            _train_step(name, model, opt, step, rank, world_size)
+            for n, p in model.named_parameters():
+                g = GROUPS[group_of[n]]
+                try:
+                    assert_close(p.detach(), reference[step][n], f"parameter {n} after step {step + 1}")
+                except AssertionError as exc:
+                    raise AssertionError(
+                        f"step {step + 1}: {n} (group {group_of[n]}: lr {g['lr']:g}, weight decay "
+                        f"{g['weight_decay']:g}{', betas ' + str(g['betas']) if 'betas' in g else ''}) differs from "
+                        f"torch.optim.AdamW with the same groups: each parameter is updated with its own group's "
+                        f"settings\n  {exc}") from None
+    return True
+
+
+def check_param_groups(cls, world_size=2, model="edge", steps=3, timeout=60.0):
+    """The stretch: two param groups with different lr, weight decay and betas (the second holding a
+    never-used layer), every weight after every step as torch.optim.AdamW with the same groups."""
+    __tracebackhide__ = True
+    _check_class(cls)
+    reference = run_on_ranks(_groups_reference_case, 1, args=(model, steps), timeout=timeout, forbid_adam=False,
+                             what="the reference (torch.optim.AdamW with two groups)")[0]
+    run_on_ranks(_groups_case, world_size, args=(cls, model, steps, reference), timeout=timeout,
+                 what=f"{cls.__name__} with two param groups")
+    passed(f"{cls.__name__} matches torch.optim.AdamW with two param groups on {world_size} ranks ({model}): "
+           f"every parameter after each of {steps} steps")
+
+
+def try_stretch(cls, name="MyZeRO1AdamGroups"):
+    """The stretch's cell: check `cls` if the student defined it, print ✓ or the reason; never raise
+    (the cell is not graded, so a skipped or unfinished stretch costs nothing)."""
+    if cls is None:
+        print(f"· stretch not attempted: define {name} above and run this cell to have it checked "
+              "(no points either way)")
+        return False
+    try:
+        check_param_groups(cls)
+    except AssertionError as exc:  # CheckFailed, or an assertion before the ranks start
+        print(f"✗ stretch: {str(exc).splitlines()[0]}")
+        return False
+    except Exception as exc:  # noqa: BLE001  (not graded: say what happened, never fail the cell)
+        print(f"✗ stretch: {type(exc).__name__}: {exc}")
+        return False
+    return True
 
 
 check_zero1_numerics = alias(check_numerics, "check_zero1_numerics")

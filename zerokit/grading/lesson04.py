@@ -16,8 +16,16 @@ own slice of the batch, and looks at one thing:
                              none in step(), no all-reduce;
 - check_unused_parameters    a parameter with no gradient (on every rank, or on some ranks
                              only) neither hangs nor corrupts: buckets flushed in order;
-- check_accumulation         k backward calls before one step: k reduce-scatters per bucket,
-                             the shards summed, the same weights as AdamW on the whole batch.
+- check_accumulation         k backward calls before one step, each on its own micro-batch, .grad
+                             left as the student's code leaves it: after EVERY backward the
+                             shards hold the running sum of the micro-batches' mean gradients
+                             (plain autograd in the worker is the yardstick), k reduce-scatters
+                             per bucket, and the weights of AdamW on the whole batch.
+
+The optional stretch, ungraded: `check_clipping(fn)` runs the student's
+clip_sharded_grad_norm_(optimizer, max_norm) on zerokit.ZeRO2Adam against
+torch.nn.utils.clip_grad_norm_ and AdamW in one process; `try_stretch(fn)` is what the
+notebook's ungraded cell calls: it checks fn if defined and prints ✓ or the reason, never raising.
 
 The single-process reference (torch.optim.AdamW) runs before the ranks start, in a one-rank
 launch of its own (the harness forbids torch.optim.Adam/AdamW where the student's code runs,
@@ -37,10 +45,11 @@ from ..models import build_model, model_loss
 from ..zero2 import ZeRO2Adam
 from .compare import assert_close
 from .harness import CheckFailed, passed, run_on_ranks
-from .kit import (adamw_reference, alias, assert_adam_shards, bucket_label, check_class, global_batch, renamed_args,
-                  state_shard)
+from .kit import (adamw_reference, alias, assert_adam_shards, bucket_label, check_class, gather_object, global_batch,
+                  refusing, renamed_args, state_shard)
 
-__all__ = ["check_numerics", "check_memory", "check_traffic", "check_unused_parameters", "check_accumulation"]
+__all__ = ["check_numerics", "check_memory", "check_traffic", "check_unused_parameters", "check_accumulation",
+           "check_clipping", "try_stretch"]
 
 # eps 1e-6, not AdamW's default 1e-8: Adam divides each gradient element by sqrt(v) + eps, so
 # an element that is ~1e-9 by cancellation (the transformer has a few) turns the rounding of a
@@ -131,9 +140,14 @@ def _numerics_case(rank, world_size, cls, model_name, bucket_numel, ref):
         for bi, b in enumerate(buckets):
             label = bucket_label(bi, b, name_of)
             expected = state_shard(b, {n: g for n, g in want["grads"].items() if g is not None}, name_of)
-            assert_close(_grad_shards(opt, bi, label), expected,
-                         f"step {step + 1}: this rank's shard of the mean gradient of {label} "
-                         "(reduce-scatter with ReduceOp.AVG: the mean over ranks, not the sum)",
+            got = _grad_shards(opt, bi, label)
+            what = f"step {step + 1}: this rank's shard of the mean gradient of {label}"
+            if world_size > 1 and got.shape == expected.shape and bool(expected.abs().max() > 0) and \
+                    torch.allclose(got, world_size * expected, atol=1e-6, rtol=1e-4):
+                raise AssertionError(f"{what} is {world_size} x the mean (N = {world_size}): the reduce-scatter "
+                                     "summed the ranks' gradients; the loss is a mean over the whole batch, so "
+                                     "reduce-scatter with ReduceOp.AVG, the mean over ranks, not the sum")
+            assert_close(got, expected, f"{what} (reduce-scatter with ReduceOp.AVG: the mean over ranks, not the sum)",
                          atol=1e-6, rtol=1e-4)
         opt.step()
         opt.zero_grad()
@@ -143,33 +157,109 @@ def _numerics_case(rank, world_size, cls, model_name, bucket_numel, ref):
     return True
 
 
-def _params_case(rank, world_size, cls, model_name, bucket_numel, ref, accum):
-    """Weights after every step, against the reference; `accum` backward calls per step.
+def _params_case(rank, world_size, cls, model_name, bucket_numel, ref):
+    """Weights after every step, against the reference (one backward per step)."""
+    model, opt, buckets, name_of = _setup(rank, world_size, cls, model_name, bucket_numel)
+    for step, want in enumerate(ref):
+        x, y = _micro_batch(model_name, step, world_size, rank, 0, 1)
+        _loss(model_name, model, x, y, rank).backward()
+        opt.step()
+        opt.zero_grad()
+        for name, p in model.named_parameters():
+            assert_close(p.detach(), want["params"][name], f"step {step + 1}: parameter {name} after the step")
+    return True
+
+
+def _micro_gradients(model_name, weights, step, world_size, accum):
+    """The independent yardstick of accumulation: plain autograd in this process, at the weights
+    the step starts from (None: the zoo's initial weights). Entry k: the mean over ranks of micro-batch k's gradient (its loss
+    divided by accum), {name: tensor or None}."""
+    net = build_model(model_name)  # step 1 starts from the zoo's weights, as the reference does
+    if weights is not None:
+        with torch.no_grad():
+            for name, p in net.named_parameters():
+                p.copy_(weights[name])
+    out = []
+    for k in range(accum):
+        net.zero_grad(set_to_none=True)
+        for r in range(world_size):
+            x, y = _micro_batch(model_name, step, world_size, r, k, accum)
+            (_loss(model_name, net, x, y, r) / (accum * world_size)).backward()
+        out.append({n: None if p.grad is None else p.grad.detach().clone()
+                    for n, p in net.named_parameters() if p.requires_grad})
+    return out
+
+
+def _running_sums(micro):
+    """After backward k: the sum of entries 0..k of micro (None where no entry had a gradient)."""
+    sums, total = [], {}
+    for grads in micro:
+        for n, g in grads.items():
+            if g is not None:
+                total[n] = g.clone() if total.get(n) is None else total[n] + g
+        sums.append({n: g.clone() for n, g in total.items()})
+    return sums
+
+
+def _accumulation_case(rank, world_size, cls, model_name, bucket_numel, ref, accum):
+    """`accum` backward calls per step, each on its own micro-batch: after EVERY backward this
+    rank's grad_shards must hold the sum of the micro-batches' mean gradients so far, and after
+    the step the weights must be AdamW's. .grad is left as the student's code leaves it.
 
     Returns the reducing collectives counted in each backward call and the bucket count.
     """
     model, opt, buckets, name_of = _setup(rank, world_size, cls, model_name, bucket_numel)
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     counts = []
+    weights = None  # where each step starts: the zoo's initial weights, then AdamW's after each step
     for step, want in enumerate(ref):
+        micro = _micro_gradients(model_name, weights, step, world_size, accum)
+        expected_after = _running_sums(micro)
+        kept_before = []  # parameters whose .grad the previous backward left set
         for k in range(accum):
             x, y = _micro_batch(model_name, step, world_size, rank, k, accum)
             with CommCounter() as comm:
                 (_loss(model_name, model, x, y, rank) / accum).backward()
-            # how the gradient is reduced is check_reduced_during_backward's business: count
-            # every reducing collective, so this check is only about "once per backward"
+            # how the gradient is reduced is check_traffic's business: count every reducing
+            # collective, so this check is only about "once per backward"
             counts.append(sum(comm.count(op) for op in ("reduce_scatter", "all_reduce", "reduce")))
-            # a .grad left behind is check_gradients_sharded's business; dropping it here
-            # keeps this check about summing the shards of several backward calls
-            for _, p in trainable:
-                p.grad = None
+            when = f"step {step + 1}, after backward {k + 1} of {accum}"
+            for bi, b in enumerate(buckets):
+                label = bucket_label(bi, b, name_of)
+                got = _grad_shards(opt, bi, label)
+                expected = state_shard(b, expected_after[k], name_of)
+                try:
+                    assert_close(got, expected, f"{when}: grad_shards[{bi}], this rank's shard of the summed mean "
+                                 f"gradients of {label}", atol=1e-6, rtol=1e-4)
+                except AssertionError as exc:
+                    raise AssertionError(_accumulation_hint(str(exc), got, b, micro[k], kept_before, name_of, when, k)) \
+                        from None
+            kept_before = [n for n, p in trainable if p.grad is not None]
         opt.step()
         opt.zero_grad()
         for name, p in model.named_parameters():
-            hint = "" if accum == 1 else (f" ({accum} backward calls before this step: each one's reduced shard "
-                                          "must be added to grad_shards, not replace it)")
-            assert_close(p.detach(), want["params"][name], f"step {step + 1}: parameter {name} after the step{hint}")
+            assert_close(p.detach(), want["params"][name], f"step {step + 1}: parameter {name} after the step "
+                         f"({accum} backward calls before it)")
+        weights = want["params"]
     return {"reductions": counts, "buckets": len(buckets)}
+
+
+def _accumulation_hint(message, got, bucket, this_micro, kept_before, name_of, when, k):
+    """Why the shard after backward k+1 is wrong, first, where the numbers say it; the comparison after."""
+    if kept_before:
+        cause = (f"{when}: {kept_before[0]}.grad is still set from the previous backward ({len(kept_before)} "
+                 "parameter(s) keep a full gradient), so autograd added this micro-batch's gradient into it and sent "
+                 "the earlier micro-batches again (k·g1 + (k-1)·g2 + ... instead of g1 + g2 + ...): set .grad to "
+                 "None once its bucket is sent")
+    else:
+        only_this = state_shard(bucket, {n: g for n, g in this_micro.items() if g is not None}, name_of)
+        if k > 0 and torch.allclose(got, only_this, atol=1e-6, rtol=1e-4):
+            cause = (f"{when}: grad_shards holds only this backward's micro-batch: each backward's reduced shard "
+                     "must be added to grad_shards, not replace it")
+        else:
+            cause = (f"{when}: grad_shards is not the sum of the micro-batches' mean gradients so far (each backward "
+                     "reduce-scatters the mean over ranks of its own micro-batch, and adds it to grad_shards)")
+    return f"{cause}\n  {message}"
 
 
 def _watch(model, name_of, counter, log):
@@ -361,16 +451,22 @@ def check_unused_parameters(cls, world_size=2, models=("edge", "branch"), bucket
     """Parameters without a gradient (on every rank: "edge"; on odd ranks only: "branch")
     neither hang nor corrupt: the weights follow torch.optim.AdamW every step."""
     __tracebackhide__ = True
+    _validate(cls)  # a class that cannot be graded says so, without the rule below
     for model in models:
         ref = _reference(model, world_size, steps, 1, timeout)
         what = {"edge": f"{cls.__name__} on a model with an unused parameter",
                 "branch": f"{cls.__name__} on a model whose branch gets a gradient on even ranks only"}.get(model, model)
         try:
-            _run(_params_case, cls, world_size, (model, bucket_numel, ref, 1), what, timeout)
+            _run(_params_case, cls, world_size, (model, bucket_numel, ref), what, timeout)
         except CheckFailed as exc:
-            raise CheckFailed(f"{exc}\n  (every rank must issue the same reduce-scatters in the same order: buckets "
-                              "0, 1, 2, ... strictly in turn, and at the end of backward every bucket not sent yet, "
-                              "with zeros for the gradients that never came)") from None
+            rule = ("every rank must issue the same reduce-scatters in the same order: buckets 0, 1, 2, ... strictly in "
+                    "turn, and at the end of backward every bucket not sent yet, with zeros for the gradients that "
+                    "never came")
+            first, _, rest = str(exc).partition("\n")
+            if first.startswith("your code raised"):  # the exception names the problem: the rule after it
+                raise CheckFailed(f"{exc}\n  ({rule})") from None
+            # a hang or wrong weights: the rule is the likely cause, so it joins the line the feedback shows
+            raise CheckFailed(f"{first} ({rule})" + (f"\n{rest}" if rest else "")) from None
     passed(f"{cls.__name__} handles parameters without a gradient on {world_size} ranks ({', '.join(models)}): "
            f"no hang, weights match torch.optim.AdamW for {steps} steps")
 
@@ -381,7 +477,7 @@ def check_accumulation(cls, world_size=2, model="mlp", bucket_numel=300, accum=3
     the weights of torch.optim.AdamW on the whole batch."""
     __tracebackhide__ = True
     ref = _reference(model, world_size, steps, accum, timeout)
-    res = _run(_params_case, cls, world_size, (model, bucket_numel, ref, accum), f"{cls.__name__} on {model}",
+    res = _run(_accumulation_case, cls, world_size, (model, bucket_numel, ref, accum), f"{cls.__name__} on {model}",
                timeout)
     for rank, r in enumerate(res):
         want = [r["buckets"]] * (accum * steps)
@@ -391,6 +487,105 @@ def check_accumulation(cls, world_size=2, model="mlp", bucket_numel=300, accum=3
                               f"(one per bucket: ZeRO-2 reduces whatever each backward produced)")
     passed(f"{cls.__name__} accumulates {accum} micro-batches on {world_size} ranks ({model}): "
            f"{accum} x {res[0]['buckets']} reduce-scatters per step, weights match torch.optim.AdamW")
+
+
+# ---------------------------------------------------------------------------------------
+# the stretch exercise: clipping sharded gradients (checked when attempted, worth no points)
+
+CLIP_MODEL, CLIP_STEPS, CLIP_BUCKET = "mlp", 4, 300
+# between the norms of the mean gradient of the steps below (0.80, 0.92, 0.82, 0.84 on "mlp"): one clips, the rest do not
+MAX_NORM = 0.87
+
+
+def _clipped_whole_batch(net, step, model, world_size, max_norm):
+    """The reference's gradient, clipped by torch.nn.utils.clip_grad_norm_ (one process)."""
+    _whole_batch(net, step, model, world_size, 1)
+    torch.nn.utils.clip_grad_norm_([p for p in net.parameters() if p.requires_grad], max_norm)
+
+
+def _clipping_case(rank, world_size, fn, model_name, bucket_numel, ref, max_norm):
+    from ..zero1 import ZeRO1Adam
+
+    used = ("your function called zerokit's ZeRO1Adam.clip_grad_norm_: the stretch is to write the clipping "
+            "yourself")
+    with refusing((ZeRO1Adam, "clip_grad_norm_", used)):
+        model = build_model(model_name)
+        opt = ZeRO2Adam(model.parameters(), bucket_mb=_bucket_mb(bucket_numel), **HYPER)
+        weights, norms = None, []
+        for step, want in enumerate(ref):
+            x, y = _micro_batch(model_name, step, world_size, rank, 0, 1)
+            _loss(model_name, model, x, y, rank).backward()
+            expected = [g for g in _micro_gradients(model_name, weights, step, world_size, 1)[0].values()
+                        if g is not None]
+            expected = float(torch.sqrt(sum((g.double() ** 2).sum() for g in expected)))
+            # this rank's shards before the student's function scales them
+            mine = float(torch.sqrt(sum((g.double() ** 2).sum() for g in opt.grad_shards if g is not None)))
+            got = fn(opt, max_norm)
+            try:
+                got = float(got)
+            except (TypeError, ValueError, RuntimeError):
+                raise AssertionError(f"clip_sharded_grad_norm_ returned {got!r}; expected the norm, a number") from None
+            everyone, shard_norms = gather_object(got), gather_object(mine)  # collectives: on every rank
+            if abs(got - expected) > 1e-4 * expected + 1e-7:
+                if len(set(everyone)) > 1 and abs(got - mine) <= 1e-4 * mine + 1e-7:
+                    why = ("it is the norm of this rank's shards only, a different number on each rank: add the "
+                           "ranks' sums of squares (one all-reduce) before the square root")
+                elif abs(got - sum(shard_norms)) <= 1e-4 * expected:
+                    why = "it is the sum of the ranks' norms: add their squares, then take the square root"
+                else:
+                    why = "the global L2 norm of the mean gradient is the square root of the sum of squares over all shards"
+                raise AssertionError(f"step {step + 1}: clip_sharded_grad_norm_ returned {got:.6g}, the norm of the "
+                                     f"mean gradient is {expected:.6g} (every rank: {everyone}): {why}")
+            norms.append(expected)
+            opt.step()
+            opt.zero_grad()
+            for name, p in model.named_parameters():
+                try:
+                    assert_close(p.detach(), want["params"][name], f"step {step + 1}: parameter {name} after the step")
+                except AssertionError as exc:
+                    clipped = expected > max_norm
+                    raise AssertionError(
+                        f"step {step + 1}: the weights differ from torch.optim.AdamW after clip_grad_norm_("
+                        f"max_norm={max_norm:g}) (the norm was {expected:.4g}, so the gradient "
+                        f"{'must be scaled by max_norm / (norm + 1e-6), in place, in grad_shards' if clipped else 'must be left as it is'})"
+                        f"\n  {exc}") from None
+            weights = want["params"]
+    return norms
+
+
+def check_clipping(fn, world_size=2, max_norm=MAX_NORM, timeout=60.0):
+    """The stretch: clip_sharded_grad_norm_(optimizer, max_norm) on zerokit.ZeRO2Adam returns the global
+    norm of the mean gradient on every rank and clips the shards as torch.nn.utils.clip_grad_norm_ does:
+    norms and weights after every step against one process running it and torch.optim.AdamW."""
+    __tracebackhide__ = True
+    if not callable(fn):
+        raise CheckFailed(f"expected the function clip_sharded_grad_norm_, got {type(fn).__name__}")
+    ref = adamw_reference(CLIP_MODEL, CLIP_STEPS, HYPER, _clipped_whole_batch, (CLIP_MODEL, world_size, max_norm),
+                          timeout=timeout)
+    norms = run_on_ranks(_clipping_case, world_size, args=(fn, CLIP_MODEL, CLIP_BUCKET, ref, max_norm),
+                         timeout=timeout, what="clip_sharded_grad_norm_")[0]
+    clipped = sum(n > max_norm for n in norms)
+    passed(f"clip_sharded_grad_norm_ gives the global norm on every rank and clips as torch.nn.utils.clip_grad_norm_ "
+           f"does ({world_size} ranks, {CLIP_MODEL}, max_norm {max_norm:g}: {clipped} of {len(norms)} steps clipped); "
+           "weights match torch.optim.AdamW")
+
+
+def try_stretch(fn, name="clip_sharded_grad_norm_"):
+    """The stretch's cell: check `fn` if the student defined it, print ✓ or the reason; never raise
+    (the cell is not graded, so a skipped or unfinished stretch costs nothing)."""
+    if fn is None:
+        print(f"· stretch not attempted: define {name} above and run this cell to have it checked "
+              "(no points either way)")
+        return False
+    try:
+        check_clipping(fn)
+    except AssertionError as exc:  # CheckFailed, or an assertion before the ranks start
+        print(f"✗ stretch: {str(exc).splitlines()[0]}")
+        return False
+    except Exception as exc:  # noqa: BLE001  (not graded: say what happened, never fail the cell)
+        print(f"✗ stretch: {type(exc).__name__}: {exc}")
+        return False
+    return True
 
 
 check_matches_adamw = alias(check_numerics, "check_matches_adamw", kind="model")

@@ -14,9 +14,12 @@ own slice of the batch, and looks at one thing:
 - check_gather_free           the mechanics alone: one all-gather per gather, a prefetch is
                               not gathered twice, the values are every rank's current shard
                               in place, _free empties the parameters and releases the
-                              buffer's memory in place (autograd's saved views of it too),
-                              and the next gather refills that same buffer; no copy of
-                              the gathered weights survives (census of the process);
+                              buffer's memory in place (autograd's saved views of it too;
+                              and the buffer of a prefetch nobody used), and the next
+                              gather refills that same buffer; no copy of the gathered
+                              weights survives (census of the process); then real steps
+                              under zerokit's hooks on BranchNet, whose second step skips
+                              a unit: no gathered buffer stays allocated between steps;
 - check_numerics              weights, gradient shards and Adam's m and v shards against
                               one process running torch.optim.AdamW, every step;
 - check_memory                the stage's point: every parameter empty between steps, the
@@ -28,6 +31,8 @@ own slice of the batch, and looks at one thing:
                               backward), one reduce-scatter, ≤ 3Ψ in all (1.5x data parallel),
                               and prefetch: the next unit's all-gather is issued before the
                               current unit computes (and none ahead with prefetch=False).
+                              Its ✓ reports what it measured, phase by phase (a ZeRO-3 that
+                              never frees passes it at 2Ψ, saying so: check_memory fails it).
 
 Isolation: the hook checks give the student's MyZeRO3Adam zerokit's own `_start_gather`,
 `_finish_gather` and `_free` (and `_gather_buffer`), those of zerokit.zero3.ShardedParameters,
@@ -38,6 +43,8 @@ and the notebook's process may have rebound it), cached per configuration.
 """
 
 import gc
+import weakref
+from functools import partial
 
 import torch
 from torch.autograd.graph import register_multi_grad_hook
@@ -46,7 +53,7 @@ from torch.utils._pytree import tree_flatten
 from ..comm import CommCounter
 from ..memory import census
 from ..models import build_model, model_loss
-from ..zero2 import ZeRO2Adam
+from ..zero2 import ZeRO2Adam, weak_hook
 from ..zero3 import ShardedParameters, ZeRO3Adam, assign_units, default_units
 from .compare import assert_close
 from .harness import passed, run_on_ranks
@@ -215,6 +222,12 @@ def _mechanics_case(rank, world_size, cls, model_name):
     return {"buckets": len(opt.buckets), "psi": psi, "grown": grown, "want": want}
 
 
+def _gather_free_case(rank, world_size, cls, model_name):
+    out = _mechanics_case(rank, world_size, cls, model_name)
+    _skipped_unit_case(rank, world_size, cls)
+    return out
+
+
 def _expect_full(opt, bi, b, what, flat, name_of):
     for p, want in zip(b.params, b.views(flat)):
         if tuple(p.shape) != tuple(want.shape):
@@ -234,11 +247,12 @@ def _expect_full(opt, bi, b, what, flat, name_of):
                              "views of the gathered buffer (bucket.views), so that dropping the buffer frees them")
 
 
-def _expect_empty(opt, bi, b, what, name_of):
+def _expect_empty(opt, bi, b, what, name_of, who="_free"):
     kept = [(name_of[p], p.numel()) for p in b.params if p.numel() != 0]
     if kept:
-        raise AssertionError(f"{what}: {kept[0][0]} still holds {kept[0][1]} elements: _free must leave every "
-                             "parameter of the bucket empty (p.data = an empty tensor)")
+        fix = ("keep the scaffold's __init__ and _install_flat_params, which empty them" if who != "_free" else
+               "_free must leave every parameter of the bucket empty (p.data = an empty tensor)")
+        raise AssertionError(f"{what}: {kept[0][0]} still holds {kept[0][1]} elements: {fix}")
     full = getattr(opt, "_full", None)
     if isinstance(full, list) and len(full) > bi and full[bi] is not None:
         raise AssertionError(f"{what}: self._full[{bi}] still holds the gathered buffer: set it to None")
@@ -247,8 +261,22 @@ def _expect_empty(opt, bi, b, what, name_of):
                              "an all-gather still in flight (a prefetch nobody used) and drop it")
 
 
+def _expect_released(left, lead):
+    """`left` bytes still allocated in a gather's buffer after _free: say so, after `lead`."""
+    if left:
+        raise AssertionError(
+            f"{lead}: {left} bytes are still allocated in the buffer: _free must release the buffer of a gather "
+            "still in flight (a prefetch nobody used) as it does a full unit's: wait for the transfer, then "
+            "resize_(0) its storage. Otherwise every unit a data-dependent branch skips, and every prefetch "
+            "that is never used, keeps a full-size buffer alive between steps")
+
+
+def _storage_bytes(t):
+    return t.untyped_storage().nbytes() if isinstance(t, torch.Tensor) else 0
+
+
 def _check_bucket(opt, bi, b, label, truth, name_of, full, offsets, rank, world_size):
-    _expect_empty(opt, bi, b, f"at rest, {label}", name_of)
+    _expect_empty(opt, bi, b, f"at rest, {label}", name_of, who="the scaffold")
     if opt.flat_params[bi].numel() != b.shard_numel:
         raise AssertionError(f"at rest, flat_params[{bi}] has {opt.flat_params[bi].numel()} elements, expected "
                              f"this rank's shard: {b.shard_numel} (keep the scaffold's _install_flat_params)")
@@ -260,7 +288,8 @@ def _check_bucket(opt, bi, b, label, truth, name_of, full, offsets, rank, world_
     if calls != [("all_gather", b.padded_numel)]:
         raise AssertionError(f"_finish_gather({bi}) on an empty {label} made {calls or 'no collective'}; expected "
                              f"one all-gather of the padded bucket: [('all_gather', {b.padded_numel})]")
-    _expect_full(opt, bi, b, f"after _finish_gather({bi}) of {label}", truth, name_of)
+    _expect_full(opt, bi, b, f"after _finish_gather({bi}) of {label} (every rank's shard end to end, rank r's at "
+                 "[r·S, (r+1)·S) of the buffer, each parameter at its offset: bucket.views)", truth, name_of)
     with CommCounter() as comm:
         opt._finish_gather(bi)
     if comm.calls:
@@ -309,8 +338,12 @@ def _check_bucket(opt, bi, b, label, truth, name_of, full, offsets, rank, world_
 
     # 3. a prefetch nobody used: _start_gather, then _free
     opt._start_gather(bi)
+    pending = getattr(opt, "_gathering", {}).get(bi)  # (work, buffer, shard): its shape was checked in 2.
     opt._free(bi)
-    _expect_empty(opt, bi, b, f"after _start_gather({bi}) and then _free({bi}) (a prefetch nobody used)", name_of)
+    what = f"after _start_gather({bi}) and then _free({bi}) of {label} (a prefetch nobody used)"
+    _expect_empty(opt, bi, b, what, name_of)
+    _expect_released(_storage_bytes(pending[1]) if isinstance(pending, tuple) and len(pending) > 1 else 0,
+                     f"{what}, the all-gather's buffer was not released")
 
     # 4. the gather reads every rank's current shard: step() updates them in place
     with torch.no_grad():
@@ -322,6 +355,81 @@ def _check_bucket(opt, bi, b, label, truth, name_of, full, offsets, rank, world_
     opt._free(bi)
     with torch.no_grad():
         opt.flat_params[bi].sub_(offsets[rank])
+
+
+class _ReferenceHooks:
+    """zerokit.ZeRO3Adam's hooks (exercise 2) on top of a student's ShardedParameters
+    (exercise 1): check_gather_free runs the student's mechanics in real steps with them.
+    The methods without super() are zerokit's own; the three with it are written again here
+    (a mixin's super() reaches the student's class)."""
+
+    _record = ZeRO3Adam._record
+    _next_in_forward = ZeRO3Adam._next_in_forward
+    _next_in_backward = ZeRO3Adam._next_in_backward
+    _gather_unit = ZeRO3Adam._gather_unit
+    _pre_forward = ZeRO3Adam._pre_forward
+    _post_forward = ZeRO3Adam._post_forward
+    _pre_backward = ZeRO3Adam._pre_backward
+
+    def __init__(self, module, **kwargs):
+        super().__init__(module, **kwargs)
+        self._order, self._last_order = [], []
+        for u, m in enumerate(self.units):
+            m.register_forward_pre_hook(partial(weak_hook(self._record), u))
+            m.register_forward_pre_hook(partial(weak_hook(self._pre_forward), u))
+            m.register_forward_hook(partial(weak_hook(self._post_forward), u))
+
+    def _end_of_backward(self):
+        super()._end_of_backward()
+        for bi in range(len(self.buckets)):
+            self._free(bi)
+
+    def _send(self, bi):
+        super()._send(bi)
+        self._free(bi)
+
+
+SKIPPING = "branch"  # BranchNet: its forward(x, use_branch=False) skips the unit `branch`
+
+
+def _skipped_unit_case(rank, world_size, cls):
+    """The student's mechanics under zerokit's hooks, on a model whose second step skips a unit
+    (the same on every rank, as ZeRO-3 requires): the prefetch issued for that unit is never
+    used, and between steps no gathered buffer may hold memory."""
+    model = build_model(SKIPPING)
+    opt = type(cls.__name__, (_ReferenceHooks, cls), {})(model, lr=HYPER["lr"])
+    name_of = {p: n for n, p in model.named_parameters()}
+    seen = {}  # bucket -> weak references to every buffer its gathers used
+
+    def note(*_):
+        for bi, v in list(getattr(opt, "_gathering", {}).items()):
+            if isinstance(v, tuple) and len(v) > 1 and isinstance(v[1], torch.Tensor):
+                seen.setdefault(bi, []).append(weakref.ref(v[1]))
+        for bi, t in enumerate(getattr(opt, "_full", [])):
+            if isinstance(t, torch.Tensor):
+                seen.setdefault(bi, []).append(weakref.ref(t))
+
+    handles = [m.register_forward_pre_hook(note) for m in model.modules()]
+    handles += [m.register_forward_hook(note) for m in model.modules()]
+    for step, use_branch in enumerate((True, False, True)):
+        x, y = _my_slice(SKIPPING, step, world_size, rank)
+        # zerokit's hooks: an error here comes from the mechanics, reported as raised (no advice about hooks)
+        model_loss(SKIPPING, model(x, use_branch=use_branch), y).backward()
+        opt.step()
+        opt.zero_grad()
+        for bi, refs in sorted(seen.items()):
+            left = max((_storage_bytes(r()) for r in refs), default=0)
+            label = bucket_label(bi, opt.buckets[bi], name_of)
+            if use_branch:
+                lead = f"between steps, after step {step + 1}, a buffer of {label} was not released"
+            else:
+                lead = (f"after step {step + 1}, in which BranchNet skipped its unit `branch` (a data-dependent "
+                        "branch, the same on every rank), so the all-gather prefetched for it was never used, the "
+                        f"buffer of {label} was not released between steps")
+            _expect_released(left, lead)
+    for h in handles:
+        h.remove()
+    return True
 
 
 def _numerics_case(rank, world_size, cls, model_name, units, ref):
@@ -461,7 +569,8 @@ def _memory_case(rank, world_size, cls, model_name, units, steps):
         raise AssertionError(
             f"inside forward this rank held up to {peak['forward']} bytes of parameters; a unit's forward needs its "
             f"own weights and at most the next unit's (prefetch) beside the shards and the root unit: {bound} bytes "
-            f"here; a full copy is {4 * psi}: units are gathered and not freed")
+            f"here; a full copy is {4 * psi}: more units were full or on their way at once (units gathered and not "
+            "freed, or prefetched more than one ahead)")
     return {"psi": psi, "shard_bytes": 4 * shard, "grown": grown, "params_at_rest": params_at_rest,
             "peak_forward": peak["forward"], "peak_backward": peak["backward"], "bound": bound}
 
@@ -502,16 +611,21 @@ def _comm_case(rank, world_size, cls, model_name, units, steps):
             with CommCounter() as fwd:
                 counter[0] = fwd
                 loss = _forward(model_name, model, x, y, step)
+            # the units forward left with only their shard (freed, nothing in flight): backward must gather them
+            freed = {bi for bi, b in enumerate(buckets)
+                     if bi not in opt._gathering and all(p.numel() == 0 for p in b.params)}
             with CommCounter() as bwd:
                 counter[0] = bwd
                 _backward(loss, step)
             with CommCounter() as stp:
                 opt.step()
                 opt.zero_grad()
-            _check_traffic(step, fwd, bwd, buckets, events, names, prefetch, model, unit_of_bucket)
+            ahead = _check_traffic(step, fwd, bwd, buckets, events, names, prefetch, model, unit_of_bucket, freed)
             total = {op: fwd.volume(op) + bwd.volume(op) + stp.volume(op)
                      for op in ("all_gather", "reduce_scatter", "all_reduce")}
-            rows.append({"forward": fwd.table(), "backward": bwd.table(), "step": stp.table(), "total": total})
+            rows.append({"forward": fwd.table(), "backward": bwd.table(), "step": stp.table(), "total": total,
+                         "gathered": {"forward": fwd.volume("all_gather"), "backward": bwd.volume("all_gather")},
+                         "ahead": ahead})
         for h in handles:
             h.remove()
         out[prefetch] = {"rows": rows, "psi": sum(b.numel for b in buckets),
@@ -519,7 +633,10 @@ def _comm_case(rank, world_size, cls, model_name, units, steps):
     return out
 
 
-def _check_traffic(step, fwd, bwd, buckets, events, names, prefetch, model, unit_of_bucket):
+def _check_traffic(step, fwd, bwd, buckets, events, names, prefetch, model, unit_of_bucket, freed):
+    """Raise at the first violation; return what was measured of prefetch, for the message:
+    {"forward": (units gathered ahead of their forward, units after the first),
+     "backward": (units gathered ahead of their backward, units after the first that forward had freed)}."""
     ran = sorted({bi for phase, bi, _ in events if phase == "forward"})
     for where, c in (("forward", fwd), ("backward", bwd)):
         odd = [op for op in ("all_reduce", "broadcast", "reduce", "gather", "scatter") if c.count(op)]
@@ -539,7 +656,9 @@ def _check_traffic(step, fwd, bwd, buckets, events, names, prefetch, model, unit
         raise AssertionError(f"step {step + 1}: backward made {bwd.count('reduce_scatter')} reduce-scatters; "
                              f"expected one per bucket ({len(buckets)}): _send must call ZeRO-2's _send (super)")
     # the k-th unit to run was prefetched if its all-gather was issued before its own pre-hook
-    for k, (bi, c) in enumerate((bi, c) for phase, bi, c in events if phase == "forward"):
+    forward = [(bi, c) for phase, bi, c in events if phase == "forward"]
+    ahead = {"forward": (sum(c >= k + 1 for k, (_, c) in enumerate(forward) if k > 0), max(len(forward) - 1, 0))}
+    for k, (bi, c) in enumerate(forward):
         if prefetch and step > 0 and k > 0 and c < k + 1:
             raise AssertionError(
                 f"step {step + 1}: when {names[bi]}'s forward was about to begin, its all-gather had not been issued "
@@ -550,18 +669,21 @@ def _check_traffic(step, fwd, bwd, buckets, events, names, prefetch, model, unit
                 f"step {step + 1}, prefetch=False: when {names[bi]}'s forward was about to begin, {c} all-gather(s) "
                 f"had been issued in this forward, expected {k} (one per unit before it): without prefetch nothing "
                 "is gathered ahead")
-    if prefetch:
-        # in backward, by state rather than by count: a unit never freed needs no gather
-        seen = []
-        for phase, bi, is_ready in events:
-            if phase != "backward" or unit_of_bucket[bi] is model or bi in seen:
-                continue
-            seen.append(bi)
-            if len(seen) > 1 and not is_ready:
-                raise AssertionError(
-                    f"step {step + 1}: when {names[bi]}'s backward was about to begin, its parameters were empty "
-                    "and no all-gather of them had been issued: with prefetch, the unit whose backward comes next "
-                    "(the one before it in forward order) is gathered while the current one computes")
+    # in backward, by state rather than by count: a unit never freed needs no gather
+    seen, backward = [], []
+    for phase, bi, is_ready in events:
+        if phase != "backward" or unit_of_bucket[bi] is model or bi in seen:
+            continue
+        seen.append(bi)
+        if bi in freed and len(seen) > 1:  # the first unit's turn comes before any hook could prefetch it
+            backward.append(is_ready)
+        if prefetch and len(seen) > 1 and not is_ready:
+            raise AssertionError(
+                f"step {step + 1}: when {names[bi]}'s backward was about to begin, its parameters were empty "
+                "and no all-gather of them had been issued: with prefetch, the unit whose backward comes next "
+                "(the one before it in forward order) is gathered while the current one computes")
+    ahead["backward"] = (sum(backward), len(backward))
+    return ahead
 
 
 # ---------------------------------------------------------------------------------------
@@ -573,16 +695,20 @@ def check_gather_free(cls, world_size=2, model="mlp", timeout=60.0):
     """ShardedParameters' mechanics, bucket by bucket: _finish_gather makes one all-gather and
     installs every rank's current shard in place, as views of self._full[bi]; _start_gather
     starts it asynchronously and is not repeated; _free empties the parameters, releases the
-    buffer's memory in place (a view taken before, as autograd keeps, has no bytes left) and
-    waits for a prefetch nobody used; the next gather refills that same storage; and no copy
-    of the gathered weights survives."""
+    buffer's memory in place (a view taken before, as autograd keeps, has no bytes left),
+    and waits for a prefetch nobody used and releases its buffer too; the next gather refills
+    that same storage; no copy of the gathered weights survives. Then real steps under
+    zerokit's hooks on BranchNet, whose second step skips a unit: no buffer stays allocated
+    between steps."""
     __tracebackhide__ = True
     _validate(cls, MECHANICS, "ShardedParameters")
-    res = run_on_ranks(_mechanics_case, world_size, args=(cls, model), what=f"{cls.__name__} on {model}",
+    res = run_on_ranks(_gather_free_case, world_size, args=(cls, model), what=f"{cls.__name__} on {model}",
                        timeout=timeout)
     passed(f"{cls.__name__} gathers and frees correctly on {world_size} ranks ({model}, {res[0]['buckets']} buckets): "
            "one all-gather per gather, prefetches not repeated, every rank's current shard in place, the buffer's "
-           "memory released by _free (under autograd's saved views too) and refilled by the next gather")
+           "memory released by _free (under autograd's saved views too, and for a prefetch nobody used) and "
+           "refilled by the next gather; in real steps under zerokit's hooks, a unit the model skipped left no "
+           "buffer allocated")
 
 
 def _hooks_run(case, cls, world_size, args, what, timeout):
@@ -626,11 +752,29 @@ def check_traffic(cls, world_size=2, model="mlp", units=None, steps=2, timeout=6
     __tracebackhide__ = True
     res = _hooks_run(_comm_case, cls, world_size, (model, units, steps), f"{cls.__name__} on {model}", timeout)
     r = res[0][True]
-    last = r["rows"][-1]["total"]
-    moved = last["all_gather"] + last["reduce_scatter"]
-    passed(f"{cls.__name__} communicates {last['all_gather']} (all-gather) + {last['reduce_scatter']} "
-           f"(reduce-scatter) = {moved / r['psi']:.2f}Ψ per step on {world_size} ranks ({model}, Ψ = {r['psi']}; "
-           f"data parallel: 2Ψ), and prefetches the next unit in forward and backward")
+    passed(_traffic_message(cls.__name__, world_size, model, r, res[0][False]))
+
+
+def _traffic_message(name, world_size, model, measured, without_prefetch):
+    """What check_traffic saw, and only that: the volumes of the last step, by phase, and which
+    units were gathered ahead of their turn (a ✓ never claims what did not happen)."""
+    last, psi = measured["rows"][-1], measured["psi"]
+    fwd, bwd = last["gathered"]["forward"], last["gathered"]["backward"]
+    scatter = last["total"]["reduce_scatter"]
+    moved = last["total"]["all_gather"] + scatter
+    if bwd:
+        gathers = f"all-gather {fwd} in forward + {bwd} in backward"
+    else:
+        gathers = (f"all-gather {fwd} in forward, no all-gather in backward (no unit was freed after its forward, "
+                   "so none had to be gathered again: the memory check judges that)")
+    (f_ahead, f_units), (b_ahead, b_units) = last["ahead"]["forward"], last["ahead"]["backward"]
+    prefetched = f"{f_ahead} of {f_units} units in forward"
+    prefetched += f", {b_ahead} of {b_units} in backward" if b_units else ", none needed in backward"
+    prefetched += " (each phase's first unit cannot be)"
+    none_ahead = all(row["ahead"]["forward"][0] == 0 for row in without_prefetch["rows"])
+    return (f"{name} communicates {moved / psi:.2f}Ψ per step on {world_size} ranks ({model}, Ψ = {psi}): {gathers}, "
+            f"reduce-scatter {scatter} (ZeRO-3 as taught: 3Ψ; data parallel: 2Ψ). Gathered ahead of their turn: "
+            f"{prefetched}" + ("; with prefetch=False, none ahead" if none_ahead else ""))
 
 
 check_matches_adamw = alias(check_numerics, "check_matches_adamw", kind="model")

@@ -10,7 +10,9 @@ AdamW with 16-bit weights and gradients, fp32 master weights, m and v). One ques
                                   rank, and leaves every rank with the same scale
     check_scale_schedule(cls)     backoff by backoff_factor on an overflow, growth by growth_factor
                                   after growth_interval clean steps in a row, the count restarting
-    check_numerics(opt_cls)       the fp32 masters, m and v after every step against
+    check_numerics(opt_cls)       right after __init__: every parameter 16-bit, frozen ones too, and
+                                  the masters the fp32 weights as built (not the rounded ones); then
+                                  the fp32 masters, m and v after every step against
                                   torch.optim.AdamW in fp32 fed the same (unscaled, mean) gradient;
                                   the model's weights 16-bit and equal to the masters rounded
     check_overflow_step(opt_cls)  an inf in one rank's gradient at one step: nothing changes on any
@@ -126,8 +128,8 @@ def _unscale_case(rank, world_size, cls):
                     raise AssertionError(
                         f"{call}: gradient {i} came back {ratio} (g·S = {float(src.float().reshape(-1)[0]):.4g} "
                         f"-> {float(o.reshape(-1)[0]):.4g}); divide by the scale: backward computed the gradient "
-                        f"of loss·S, so the true gradient is grad / S = {float(expected.reshape(-1)[0]):.4g}. "
-                        "Multiplying makes it S² too large")
+                        f"of loss·S, so the true gradient is grad / S = {float(expected.reshape(-1)[0]):.4g}"
+                        + (". Multiplying makes it S² too large" if ratio == "times the scale" else ""))
                 rounded = (src / scale).float()
                 if not torch.equal(rounded, expected) and torch.equal(o, rounded):
                     raise AssertionError(
@@ -321,11 +323,8 @@ def _train_case(rank, world_size, cls, name, dtype, steps, inject_at):
     if getattr(opt, "scaler", None) is not scaler:
         raise AssertionError("the optimizer did not keep the scaler it was given (self.scaler = scaler, as in the "
                              "scaffold)")
-    for n, p in named if compare else ():
-        if p.dtype != dtype:
-            raise AssertionError(f"parameter {n} is {p.dtype} after the optimizer was built; the model computes in "
-                                 f"{dtype}: make every parameter 16-bit (p.data = p.data.to(dtype)) after taking "
-                                 "its fp32 master copy")
+    if compare:
+        _check_built(opt, model, named, ref_params, dtype)
     for step in range(steps):
         x, y = rank_batch(name, step, GLOBAL_BATCH, rank, world_size)
         if x.is_floating_point():
@@ -389,7 +388,7 @@ def _train_case(rank, world_size, cls, name, dtype, steps, inject_at):
                     "master into its 16-bit parameter")
             assert_close(master, rp.detach(), f"the master weights of {n} (self.masters[{i}]) after {when}")
             for attr, key, what in (("exp_avgs", "exp_avg", "m"), ("exp_avg_sqs", "exp_avg_sq", "v")):
-                ref_state = reference.state[rp][key]
+                ref_state = reference.state[rp].get(key, torch.zeros_like(rp))  # zeros: never had a gradient
                 assert_close(_state(opt, attr, i, n), ref_state, f"{what} of {n} (self.{attr}[{i}]) after {when}",
                              atol=1e-5 * float(ref_state.abs().max()) + 1e-12, rtol=1e-4)
             if p.dtype != dtype or not torch.equal(p.detach(), master.to(dtype)):
@@ -398,6 +397,29 @@ def _train_case(rank, world_size, cls, name, dtype, steps, inject_at):
                     f"{float((p.detach().double() - master.double()).abs().max()):.3g}): after updating the fp32 "
                     "master, copy it into the 16-bit parameter (p.copy_(master)); the model computes with those")
     return sum(p.numel() for p in params)
+
+
+def _check_built(opt, model, named, initial, dtype):
+    """Right after __init__: every parameter, frozen ones too, is 16-bit, and each master holds the
+    fp32 weights as built (`initial`), not the weights already rounded to 16 bits."""
+    for n, p in model.named_parameters():
+        if p.dtype != dtype:
+            frozen = ("; it is frozen (requires_grad=False), and frozen ones too must be 16-bit: the model "
+                      "computes in one type, and an fp32 layer among 16-bit ones fails on their outputs"
+                      if not p.requires_grad else "")
+            raise AssertionError(f"parameter {n} is {p.dtype} after the optimizer was built; the model computes in "
+                                 f"{dtype}: make every parameter of the param groups 16-bit (p.data = "
+                                 f"p.data.to(dtype)) after taking the fp32 master copies{frozen}")
+    for i, ((n, _), want) in enumerate(zip(named, initial)):
+        master = _state(opt, "masters", i, n)
+        rounded = want.detach().to(dtype).float()
+        if not torch.equal(master, want.detach()) and not torch.equal(rounded, want.detach()) \
+                and master.shape == rounded.shape and torch.equal(master, rounded):
+            raise AssertionError(
+                f"right after the optimizer was built, the master weights of {n} (self.masters[{i}]) hold the "
+                f"weights rounded to {dtype}, not the fp32 weights the model was built with: the master copy was "
+                "taken after the cast to 16 bits. Take it first (p.detach().float().clone()), then make the "
+                "parameter 16-bit: a master is the one place the bits the 16-bit type rounds away survive")
 
 
 def _held_state(opt):
@@ -411,14 +433,17 @@ def _held_state(opt):
 
 
 def check_numerics(cls, world_size=2, model="mlp", dtype="bf16", steps=4, timeout=60.0):
-    """On world_size ranks: fp32 masters, m and v after every step match torch.optim.AdamW in fp32 fed the same
-    mean, unscaled gradient; the model's weights are the masters rounded to 16 bits."""
+    """On world_size ranks: once built, every parameter (frozen ones too) is 16-bit and the masters hold the fp32
+    weights as built; fp32 masters, m and v after every step match torch.optim.AdamW in fp32 fed the same mean,
+    unscaled gradient (zeros for m and v of a parameter that never had one); the model's weights are the masters
+    rounded to 16 bits."""
     __tracebackhide__ = True
     _check_optimizer_class(cls)
     psi = run_on_ranks(_train_case, world_size, args=(cls, model, dtype, steps, None), timeout=timeout,
                        what=cls.__name__)[0]
-    passed(f"{cls.__name__} in {dtype} on {world_size} ranks ({model}, Ψ = {psi}): fp32 masters, m and v match "
-           f"torch.optim.AdamW after each of {steps} steps; the 16-bit weights are the rounded masters")
+    passed(f"{cls.__name__} in {dtype} on {world_size} ranks ({model}, Ψ = {psi}): every parameter {dtype} once "
+           f"built (frozen ones too), the masters the weights as built; fp32 masters, m and v match torch.optim.AdamW "
+           f"after each of {steps} steps; the 16-bit weights are the rounded masters")
 
 
 def check_overflow_step(cls, world_size=2, model="mlp", dtype="fp16", steps=4, inject_at=1, timeout=60.0):

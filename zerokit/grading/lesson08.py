@@ -498,8 +498,8 @@ def _offload_numerics_case(rank, world_size, fn, numel, chunk, steps):
 
 def _steady_malloc():
     """glibc: every block of 128 KiB or more mapped alone and returned when freed, so resident
-    memory follows the live tensors (see zerokit.offload.steady_malloc; repeated here so that
-    the check measures with its own code)."""
+    memory follows the live tensors (zerokit.memory.PeakRSS does the same; repeated here so
+    that the check measures with its own code)."""
     ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)
 
 

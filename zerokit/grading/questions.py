@@ -53,8 +53,8 @@ def check(answers, expected, rel=0.005):
         raise CheckFailed(f"`answers` must be a dict {{question: number}}, got {type(answers).__name__}")
     unanswered = [k for k in expected if answers.get(k, ...) is ...]
     if unanswered:
-        raise CheckFailed(f"no answer yet for {', '.join(unanswered)}: replace the ... in `answers` with a number "
-                          "(is the answer cell still the stub?)")
+        stub = " (the answer cell is still the stub)" if len(unanswered) == len(expected) else ""
+        raise CheckFailed(f"no answer yet for {', '.join(unanswered)}{stub}: replace the ... in `answers` with a number")
     not_numbers = [k for k in expected if not _is_number(answers[k])]
     if not_numbers:
         raise CheckFailed("answers must be numbers (int or float): "

@@ -52,10 +52,10 @@ def update(ranks, echo):
         if r.pid:
             r.peak_rss = max(r.peak_rss, rss(r.pid))
         if echo:
-            _echo_new_lines(r)
+            _echo_new_lines(r, echo)
 
 
-def _echo_new_lines(r):
+def _echo_new_lines(r, echo):
     # On stdout, each line prefixed with its rank: nbgrader fails a cell that writes to stderr.
     path = r.file("out")
     try:
@@ -69,8 +69,12 @@ def _echo_new_lines(r):
         end = len(chunk)
     if end:
         text = chunk[:end].decode(errors="replace")
-        sys.stdout.write("".join(f"[rank {r.rank}] {line}\n" for line in text.splitlines()))
-        sys.stdout.flush()
+        if callable(echo):  # the caller shows the lines its own way (a progress bar)
+            for line in text.splitlines():
+                echo(r.rank, line)
+        else:
+            sys.stdout.write("".join(f"[rank {r.rank}] {line}\n" for line in text.splitlines()))
+            sys.stdout.flush()
         r.printed += end
 
 

@@ -50,7 +50,7 @@ def launch(
     timeout: float | None = 90.0,
     launcher: str | None = None,
     memory_limit_gb: float | None = None,
-    echo: bool = True,
+    echo=True,
     env: dict | None = None,
 ):
     """Run `fn(rank, world_size, *args)` on `world_size` ranks and return the list of results.
@@ -66,7 +66,8 @@ def launch(
         about 0.1 s to start instead of several). The environment variable
         ZEROKIT_LAUNCHER sets the default.
     memory_limit_gb: kill the job if one rank's resident memory grows beyond this.
-    echo: print what the ranks print (on stdout, each line prefixed with its rank).
+    echo: print what the ranks print (on stdout, each line prefixed with its rank); or a
+        function echo(rank, line) to hand each line to instead.
     env: extra environment variables for the workers.
 
     Raises the exception a rank raised (the first, if several did), with the rank named

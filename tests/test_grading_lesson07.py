@@ -1,0 +1,213 @@
+"""Lesson 07's checks, validated on the solution and on deliberately broken exercises.
+
+The solution is the code in solutions/07_checkpoints (the notebook's solution cells, executed
+here), so what is validated is what students are graded against. Every broken version below
+is one classic bug; each must fail exactly the checks listed beside it, with a message that
+names the problem, and pass the others: one bug costs its own points only.
+
+| exercise | defect | fails | message |
+|---|---|---|---|
+| (a) save_shards | every rank gathers and saves everything | memory | "Each rank writes only what it owns" |
+| (a) | offsets counted across buckets | numerics | "runs past the bucket" (the loader refuses it) |
+| (a) | m written before the weights | numerics | "differ from what was saved" |
+| (a) | hands the work to zerokit's save_shards | numerics, memory | "zerokit's own" |
+| (b) shard_reads | shards of numel // N (off by the padding) | reshard | "expected" |
+| (b) | reads the padding | reshard | "expected" |
+| (b) | hands the work to zerokit.checkpoint.covering | reshard | "zerokit's own" |
+| (c) consolidate | keeps each bucket's padding | consolidate | "differs from the saved weights" |
+| (c) | a tied weight copied | consolidate | "is a copy of" |
+| (c) | every rank file read whole first | memory | "peak memory" |
+| (c) | hands the work to zerokit's consolidate | consolidate, memory | "zerokit's own" |
+| answers | one wrong number; the stub | answers | "not right yet", "NotImplementedError" |
+| the untouched student notebook | | every check | "NotImplementedError" |
+"""
+
+import sys
+
+import cloudpickle
+import pytest
+
+from conftest import UNFINISHED, exercise_module, fails, fails_every_check, fails_exactly, source_module
+from tests.submissions import _solution_sources
+from tests.submissions import lesson07 as examples
+from zerokit.grading import lesson07
+
+pytestmark = pytest.mark.distributed
+
+PRELUDE = """
+import math
+from pathlib import Path
+import torch
+import torch.distributed as dist
+import zerokit
+import zerokit.checkpoint as ckpt
+from zerokit.checkpoint.files import Reader, rank_file, write_tensors
+"""
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def notebook_code(folder, grade_ids):
+    return exercise_module("07_checkpoints", folder, grade_ids, PRELUDE)
+
+
+SOLUTION = notebook_code("solutions", ["save_shards", "shard_reads", "consolidate", "answers"])
+STUDENT = notebook_code("lessons", ["save_shards", "shard_reads", "consolidate"])  # its answers cell raises
+
+SAVE_CHECKS = {
+    "numerics": lambda fn: lesson07.check_numerics(fn, world_size=2, model="mlp"),
+    "memory": lambda fn: lesson07.check_memory(fn, world_size=2, model="wide-mlp"),
+}
+RESHARD_CHECKS = {"reshard": lambda fn: lesson07.check_reshard_map(fn, world_size=2)}
+CONSOLIDATE_CHECKS = {
+    "consolidate": lambda fn: lesson07.check_consolidate(fn, world_size=2, model="edge"),
+    "memory": lambda fn: lesson07.check_consolidate_memory(fn, world_size=2),
+}
+
+
+def _defects(sources, name):
+    """Functions defined by source strings (as a notebook cell would), each renamed."""
+    module = source_module(f"lesson07_{name}", "\n\n".join(
+        src.replace(f"def {name}(", f"def {name}_{i}(") for i, src in enumerate(sources)), PRELUDE)
+    return [getattr(module, f"{name}_{i}") for i in range(len(sources))]
+
+
+def _solution(name):
+    """The solution cell `name` of solutions/07_checkpoints, its solution markers removed."""
+    return _solution_sources(examples.LESSON)[name]
+
+
+def _solution_with(name, old, new):
+    source = _solution(name)
+    assert old in source, f"the solution of {name} no longer contains {old!r}"
+    return source.replace(old, new)
+
+
+# ---------------------------------------------------------------------------------------
+# exercise (a): save_shards
+
+OFFSETS_ACROSS_BUCKETS = _solution_with(
+    "save_shards", '''    buckets = [{"numel": sh.bucket.numel''', '''    running = 0
+    for sh in shards:  # BUG: offsets counted from the first bucket, not from each bucket's own start
+        sh.bucket.offsets_global = [running + o for o in sh.bucket.offsets]
+        running += sh.bucket.numel
+    buckets = [{"numel": sh.bucket.numel''').replace(
+    "sh.bucket.shapes, sh.bucket.offsets,", "sh.bucket.shapes, sh.bucket.offsets_global,")
+M_FIRST = _solution_with("save_shards", "for kind in ckpt.TENSORS])", "for kind in reversed(ckpt.TENSORS)])")
+CALLS_ZEROKIT_SAVE = '''def save_shards(directory, model, opt):
+    return ckpt.save_shards(directory, model, opt)
+'''
+(EveryRankSavesEverything, OffsetsAcrossBuckets, MFirst, CallsZerokitSave) = _defects(
+    [examples.EVERY_RANK_SAVES_EVERYTHING, OFFSETS_ACROSS_BUCKETS, M_FIRST, CALLS_ZEROKIT_SAVE], "save_shards")
+
+SAVE_DEFECTS = [
+    (EveryRankSavesEverything, {"memory": "Each rank writes only what it owns"}),
+    (OffsetsAcrossBuckets, {"numerics": "runs past the bucket"}),
+    (MFirst, {"numerics": "differ from what was saved"}),
+    (CallsZerokitSave, {"numerics": "zerokit's own", "memory": "zerokit's own"}),
+]
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("fn, expected", SAVE_DEFECTS, ids=["everything", "offsets", "m_first", "zerokit"])
+def test_save_defects_fail_exactly_their_checks(fn, expected, capsys):
+    fails_exactly(SAVE_CHECKS, fn, expected, capsys)
+
+
+# ---------------------------------------------------------------------------------------
+# exercise (b): shard_reads
+
+READS_PADDING = _solution_with("shard_reads", "start, end = min(new_rank * s_new, numel), min((new_rank + 1) * s_new, numel)",
+                               "start, end = new_rank * s_new, (new_rank + 1) * s_new  # BUG: into the padding")
+CALLS_COVERING = '''def shard_reads(numel, old_world, new_world, new_rank):
+    s = -(-numel // new_world)
+    return ckpt.covering(min(new_rank * s, numel), min((new_rank + 1) * s, numel), -(-numel // old_world))
+'''
+OffByPadding, ReadsPadding, CallsCovering = _defects([examples.OFF_BY_PADDING, READS_PADDING, CALLS_COVERING],
+                                                     "shard_reads")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("fn, match", [(OffByPadding, "expected"), (ReadsPadding, "expected"),
+                                       (CallsCovering, "zerokit's own")], ids=["floor", "padding", "covering"])
+def test_reshard_defects_fail_the_map_check(fn, match, capsys):
+    fails_exactly(RESHARD_CHECKS, fn, {"reshard": match}, capsys)
+
+
+def test_the_map_check_quotes_pytorch_planner_cases():
+    assert lesson07.RESHARD_CASES[:3] == [(128, 8, 4), (128, 4, 8), (120, 4, 3)]
+    assert lesson07._expected_reads(120, 4, 3, 1) == [(1, 40, 60), (2, 60, 80)]
+    assert all(len(lesson07._expected_reads(128, 8, 4, r)) == 2 for r in range(4))
+    assert lesson07._expected_reads(128, 4, 8, 3) == [(1, 48, 64)]  # half a chunk
+
+
+# ---------------------------------------------------------------------------------------
+# exercise (c): consolidate
+
+READS_EVERYTHING_FIRST = '''def consolidate(path):
+    meta, state = ckpt.read_metadata(path), {}
+    files = [torch.from_file(str(Path(path) / rank_file(r)), size=(Path(path) / rank_file(r)).stat().st_size,
+                             dtype=torch.uint8).clone() for r in range(meta["world_size"])]  # BUG: all of it, first
+    for b, bucket in enumerate(meta["buckets"]):
+        size, at = bucket["shard_numel"], ckpt.tensor_offset(meta, b, "weights")
+        for p in bucket["params"]:
+            n = math.prod(p["shape"])
+            flat = torch.empty(n)
+            for r, lo, hi in ckpt.covering(p["offset"], p["offset"] + n, size):
+                start = at + 4 * (lo - r * size)
+                flat[lo - p["offset"]:hi - p["offset"]] = files[r][start:start + 4 * (hi - lo)].view(torch.float32)
+            state[p["name"]] = flat.view(p["shape"])
+    with Reader(path) as reader:
+        for entry in meta.get("replicated", []):
+            state[entry["name"]] = ckpt.read_replicated(reader, entry)
+    for alias, name in meta.get("aliases", {}).items():
+        state[alias] = state[name]
+    return {k: state[k] for k in meta.get("keys", list(state))}
+'''
+CALLS_ZEROKIT_CONSOLIDATE = '''def consolidate(path):
+    return ckpt.consolidate(path)
+'''
+KeepsPadding, DuplicatesTied, ReadsEverythingFirst, CallsZerokitConsolidate = _defects(
+    [examples.KEEPS_PADDING, examples._duplicates_tied(_solution("consolidate")),
+     READS_EVERYTHING_FIRST, CALLS_ZEROKIT_CONSOLIDATE], "consolidate")
+
+CONSOLIDATE_DEFECTS = [
+    (KeepsPadding, {"consolidate": "differs from the saved weights"}),
+    (DuplicatesTied, {"consolidate": "is a copy of"}),
+    (ReadsEverythingFirst, {"memory": "peak memory"}),
+    (CallsZerokitConsolidate, {"consolidate": "zerokit's own", "memory": "zerokit's own"}),
+]
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("fn, expected", CONSOLIDATE_DEFECTS, ids=["padding", "tied", "everything", "zerokit"])
+def test_consolidate_defects_fail_exactly_their_checks(fn, expected, capsys):
+    fails_exactly(CONSOLIDATE_CHECKS, fn, expected, capsys)
+
+
+# ---------------------------------------------------------------------------------------
+# check your understanding; the untouched notebook; the hidden configurations
+
+
+def test_answers():
+    lesson07.check_answers(SOLUTION.answers)
+    fails(lesson07.check_answers, {**SOLUTION.answers, "q3_reads": 2}, match="not right yet: q3_reads")
+    fails(lesson07.check_answers, dict.fromkeys(SOLUTION.answers), match=UNFINISHED)
+
+
+@pytest.mark.timeout(90)
+def test_untouched_student_notebook_fails_every_check():
+    fails_every_check(SAVE_CHECKS, STUDENT.save_shards)
+    fails_every_check(RESHARD_CHECKS, STUDENT.shard_reads)
+    fails_every_check(CONSOLIDATE_CHECKS, STUDENT.consolidate)
+
+
+@pytest.mark.timeout(90)
+def test_hidden_configurations_catch_the_same_bugs():
+    """N = 3 -> 2 and 2 -> 4, on models the visible tests do not use."""
+    fails(lesson07.check_numerics, MFirst, world_size=3, load_world_size=2, model="nested",
+          stage="zero3", match="differ from what was saved")
+    fails(lesson07.check_memory, EveryRankSavesEverything, world_size=3, model="nested", stage="zero3",
+          match="Each rank writes only what it owns")
+    fails(lesson07.check_consolidate, KeepsPadding, world_size=3, model="transformer", stage="zero2",
+          match="differs from the saved weights")

@@ -1,0 +1,114 @@
+"""The lessons' widgets: they show the numbers the course computes, live and as a picture.
+
+The memory calculator must show zerokit.theory_bytes (checked against the ZeRO paper's own
+figures), the shard map must show what a shard_range really owns (the numel // N bug drops
+elements), the step timeline must place each stage's collectives in the phase where a
+real step issued them, and every widget must leave a picture where no browser runs it.
+"""
+
+import json
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+from nbconvert import HTMLExporter
+
+from zerokit import widgets
+from zerokit.comm import trace_step
+from zerokit.memory import theory_bytes
+from conftest import run_ranks
+
+
+def _shown_total(calculator):
+    """The per-rank bytes the calculator's summary shows now (its data-bytes attribute)."""
+    text = calculator.widget.children[6].value
+    return float(text.split('data-bytes="')[1].split('"')[0])
+
+
+@pytest.mark.parametrize("stage, paper_gb", [("ddp", 120), ("zero1", 31.4), ("zero2", 16.6), ("zero3", 1.9)])
+def test_the_paper_preset_shows_the_papers_numbers(stage, paper_gb):
+    calc = widgets.memory_calculator(stage=stage)
+    calc.widget.children[0].value = "ZeRO paper: 7.5B on 64 GPUs"
+    assert _shown_total(calc) / 1e9 == pytest.approx(paper_gb, rel=0.02)  # the paper rounds
+
+
+def test_moving_a_control_redraws_with_theory_bytes():
+    calc = widgets.memory_calculator(psi=1e9, world_size=8, stage="zero2", precision="fp32", device_gb=24)
+    before = calc.widget.children[7].value
+    n_slider, stage_buttons, precision = calc.widget.children[2], calc.widget.children[3], calc.widget.children[4]
+    for n in (1, 3, 1024):
+        n_slider.value = n
+        assert _shown_total(calc) == pytest.approx(theory_bytes(1e9, "zero2", n, "fp32")["total"])
+    stage_buttons.value, precision.value = "zero3", "mixed"
+    assert _shown_total(calc) == pytest.approx(theory_bytes(1e9, "zero3", 1024, "mixed")["total"])
+    assert calc.widget.children[7].value != before  # the picture was redrawn
+    assert "fits" in calc.widget.children[6].value
+
+
+def test_the_shard_map_marks_what_a_floor_division_shard_range_drops():
+    def floor_shards(numel, n, rank):
+        size = numel // n
+        return rank * size, (rank + 1) * size
+
+    right = widgets.shard_figure([5, 2, 4], 3)
+    wrong = widgets.shard_figure([5, 2, 4], 3, shard_range=floor_shards)
+    assert "every element has one owner" in right.axes[0].get_title()
+    assert "2 element(s) belong to no rank: 9..10" in wrong.axes[0].get_title()
+    shown = widgets.shard_map([5, 2, 4], 3, shard_range=floor_shards)
+    first = shown.widget.children[1].value
+    shown.widget.children[0].value = 4  # 11 elements on 4 ranks: 3 dropped
+    assert shown.widget.children[1].value != first
+
+
+def test_every_widget_carries_a_static_picture_beside_its_live_view():
+    for shown in (widgets.memory_calculator(), widgets.shard_map()):
+        bundle = shown._repr_mimebundle_()
+        assert "application/vnd.jupyter.widget-view+json" in bundle
+        assert bundle["text/html"].startswith("<div><img src=\"data:image/png;base64,")
+
+
+@pytest.mark.timeout(120)
+def test_nbconvert_shows_the_pictures_where_no_browser_runs_the_widgets(tmp_path):
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(
+        "from zerokit import widgets\nwidgets.memory_calculator()")])
+    NotebookClient(nb, timeout=60, kernel_name="python3").execute()
+    page, _ = HTMLExporter().from_notebook_node(nb)
+    assert "zerokit-memory-total" in page and "data:image/png;base64," in page
+
+
+def _traced(rank, world_size, stage):
+    import torch
+
+    import zerokit
+    from zerokit.models import build_model, model_batch, model_loss
+
+    model = build_model("mlp")
+    opt = {"zero2": lambda: zerokit.ZeRO2Adam(model.parameters(), bucket_mb=0.001),
+           "zero3": lambda: zerokit.ZeRO3Adam(model)}[stage]()
+    batch = model_batch("mlp", 4, seed=rank)
+    loss_fn = lambda out, y: model_loss("mlp", out, y)  # noqa: E731
+    trace_step(model, opt, batch, loss_fn)  # Adam's state exists after the first step
+    torch.manual_seed(0)
+    return trace_step(model, opt, batch, loss_fn)
+
+
+def _phase_of(trace, t):
+    return next(name for name, start, end in trace["phases"] if start <= t <= end)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_a_traced_step_puts_each_stages_collectives_in_their_phase():
+    zero2, zero3 = (run_ranks(_traced, 2, stage)[0] for stage in ("zero2", "zero3"))
+    assert {_phase_of(zero2, t) for op, _, t in zero2["calls"] if op == "reduce_scatter"} == {"backward"}
+    assert {_phase_of(zero2, t) for op, _, t in zero2["calls"] if op == "all_gather"} == {"step"}
+    gathers = [_phase_of(zero3, t) for op, _, t in zero3["calls"] if op == "all_gather"]
+    assert "forward" in gathers and "backward" in gathers and "step" not in gathers
+    figure = widgets.timeline_figure(zero2, "ZeRO-2")
+    assert figure.axes[0].get_title() == "ZeRO-2"
+    assert json.dumps(widgets.step_timeline({"ZeRO-2": zero2, "ZeRO-3": zero3})._repr_mimebundle_()["text/plain"])
+
+
+def test_progress_is_silent_where_it_would_flood_a_log(capsys):
+    assert list(widgets.progress(range(3), desc="x")) == [0, 1, 2]
+    assert capsys.readouterr().err == ""  # pytest's captured stderr is not a terminal

@@ -1,0 +1,324 @@
+r"""Sharded checkpoints (lesson 07): save, load on any world size and stage, consolidate, stream-load.
+
+    zerokit.checkpoint.save("ckpt/step100", model, opt)      # every rank: each writes what it owns
+    zerokit.checkpoint.load("ckpt/step100", model, opt)      # every rank: any N, any stage, exact
+    state = zerokit.checkpoint.consolidate("ckpt/step100")   # one process: a full fp32 state_dict
+
+**Why not torch.save(model.state_dict()) on rank 0.** Under ZeRO-3 rank 0's parameters are
+empty between steps; under ZeRO-1/2 its optimizer holds m and v of one shard: 1/N of them.
+A ZeRO job's state exists only as the union of every rank's shards, so every rank saves.
+
+This file is the lesson's reference (save, load, consolidate, and the exercises' save_shards,
+shard_reads, covering); its parts sit beside it: files.py (bytes written and read without
+copies, atomically, a COMPLETE marker, one error on every rank), state.py (one view of every
+stage's shards, for saving and loading), stream.py (build a ZeRO-3 model from a checkpoint
+unit by unit), dcp.py (to and from PyTorch Distributed Checkpoint, for FSDP2).
+
+**The format.** A checkpoint is a directory (zerokit.checkpoint.files writes it atomically):
+
+    metadata.json    rank 0: format, version, world size N, and every bucket: its numel, its
+                     shard size S = ceil(numel / N), and each parameter's name, shape, offset in
+                     the bucket's flat buffer and Adam step count (+ hyperparameters, loss scaler)
+    rank00000.bin    rank r only: for each bucket, its shard of the fp32 weights, of m and of v,
+    rank00001.bin    S elements each, raw bytes (TENSORS): 12 S bytes per bucket
+    replicated.bin   rank 0: frozen parameters and buffers, whole
+    COMPLETE         written last
+
+In fp32 a rank writes $(K + P)\Psi/N$ bytes, $K = 8$ (m, v) and $P = 4$ (weights), plus at most
+$N - 1$ elements of padding per bucket. Mixed precision saves the same 12 bytes: the fp32
+master is the weights, and the 16-bit weights are not saved (they are the master rounded).
+
+**Resharding.** The offsets make a checkpoint independent of how it was cut. Rank r' of N'
+needs elements $[r'S', \min((r'+1)S', \Psi))$ of each flat buffer; old shard r holds
+$[rS, (r+1)S)$: it reads the intersections (`shard_reads`), never the padding. Between
+stages the buckets differ (ZeRO-2 cuts by size, ZeRO-3 by module), so `load` goes by name:
+each piece of a parameter a rank now holds is found at its offset in the old bucket and read
+from the old shards that cover it (`covering`). A flat shard is not a row split: a shard
+boundary falls anywhere, mid-row, mid-parameter; only the recorded offsets say where.
+"""
+
+import math
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from .files import (COMPLETE, METADATA, REPLICATED, CheckpointError, Reader, agree, commit,
+                               partial_dir, rank_file, read_json, write_json, write_tensors)
+from .state import (TENSORS, apply_description, check_same_model, describe, finish_load,
+                               group_hyperparameters, load_replicated, parameter_names, replicated, saved_shards,
+                               set_steps, stage_of, targets)
+from .stream import placeholders, stream_load
+
+__all__ = ["save", "load", "consolidate", "stream_load", "placeholders", "save_shards", "shard_reads", "covering",
+           "tensor_offset", "read_metadata", "read_parameter", "read_replicated", "CheckpointError", "FORMAT",
+           "VERSION", "TENSORS"]
+
+FORMAT, VERSION = "zerokit-checkpoint", 1
+
+
+def _rank_world():
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+# ---------------------------------------------------------------------------------------
+# exercise (b): the resharding map
+
+
+def covering(start, end, shard_numel):
+    """[(rank, lo, hi)]: the pieces of consecutive shards of shard_numel elements that cover [start, end)."""
+    out = []
+    while start < end:
+        rank = start // shard_numel
+        hi = min(end, (rank + 1) * shard_numel)
+        out.append((rank, start, hi))
+        start = hi
+    return out
+
+
+def shard_reads(numel, old_world, new_world, new_rank):
+    """What rank new_rank of new_world reads of a flat buffer of numel elements saved by old_world
+    ranks: [(old_rank, lo, hi)], element ranges of the whole buffer, in order, padding never read."""
+    new_size = -(-numel // new_world)
+    start, end = min(new_rank * new_size, numel), min((new_rank + 1) * new_size, numel)
+    return covering(start, end, -(-numel // old_world))
+
+
+def tensor_offset(meta, bucket, kind):
+    """Byte offset, in every rank file, of the shard of `kind` ("weights", "exp_avg" or
+    "exp_avg_sq") of bucket number `bucket`: the buckets' shards lie end to end, TENSORS in order."""
+    before = sum(b["shard_numel"] for b in meta["buckets"][:bucket])
+    return 4 * (len(TENSORS) * before + TENSORS.index(kind) * meta["buckets"][bucket]["shard_numel"])
+
+
+# ---------------------------------------------------------------------------------------
+# exercise (a): save this rank's shards
+
+
+def save_shards(directory, model, opt):
+    """Write this rank's shards of opt's state to directory/rank_file(rank); on rank 0 return the
+    metadata of the buckets (None on the other ranks)."""
+    rank, world = _rank_world()
+    shards = saved_shards(opt, world, rank)
+    # a generator, not a list: a DistributedAdam shard is a copy, made as it is written
+    write_tensors(Path(directory) / rank_file(rank), (getattr(sh, k) for sh in shards for k in TENSORS))
+    if rank != 0:
+        return None
+    names = parameter_names(model)
+    buckets = [{"numel": sh.bucket.numel, "shard_numel": sh.bucket.shard_numel,
+                "params": [{"name": names[p], "shape": list(shape), "offset": offset, "step": step}
+                           for p, shape, offset, step in zip(sh.bucket.params, sh.bucket.shapes, sh.bucket.offsets,
+                                                             sh.steps)]}
+               for sh in shards]
+    return {"format": FORMAT, "version": VERSION, "world_size": world, "tensors": list(TENSORS), "buckets": buckets}
+
+
+# ---------------------------------------------------------------------------------------
+# save and load: the whole job
+
+
+def save(path, model, opt, *, save_shards=save_shards):
+    """Save the state of a training job on every rank: call it on all ranks (a collective).
+
+    Each rank writes only its own shards; rank 0 also writes the metadata and the replicated
+    tensors (frozen parameters, buffers). Nothing appears at `path` until every rank has
+    written: a save that fails or is killed leaves `path` as it was. Extra memory: none for
+    ZeRO's shards (their own bytes go to the file), one shard for DistributedAdam's copies.
+    """
+    rank, _ = _rank_world()
+    stage_of(opt)  # a clear TypeError for an optimizer this cannot save
+    partial = partial_dir(path)
+    what = f"cannot save {path}"
+
+    def prepare():
+        if rank == 0:
+            if partial.exists():  # left by a save that did not finish
+                shutil.rmtree(partial)
+            partial.mkdir(parents=True)
+
+    agree(what, prepare)
+
+    def write():
+        meta = save_shards(partial, model, opt)
+        if rank == 0:
+            saved = {p["name"] for b in meta["buckets"] for p in b["params"]}
+            entries = replicated(model, saved)
+            meta["replicated"], offset = [], 0
+            for name, t in entries:
+                meta["replicated"].append({"name": name, "dtype": str(t.dtype).removeprefix("torch."),
+                                           "shape": list(t.shape), "offset": offset})
+                offset += t.numel() * t.element_size()
+            write_tensors(partial / REPLICATED, (t for _, t in entries))
+            write_json(partial / METADATA, {**meta, **describe(model, opt)})
+
+    agree(what, write)
+    agree(what, lambda: commit(partial, path) if rank == 0 else None)
+
+
+def read_metadata(path):
+    """The metadata of a complete checkpoint of this format and version, its files checked."""
+    path = Path(path)
+    if not path.is_dir():
+        unfinished = " (only an unfinished save, .partial, is there)" if partial_dir(path).exists() else ""
+        raise CheckpointError(f"there is no checkpoint at {path}{unfinished}")
+    if not (path / COMPLETE).exists():
+        raise CheckpointError(f"{path} is incomplete: no {COMPLETE} marker (a save that did not finish?)")
+    try:
+        meta = read_json(path / METADATA)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path / METADATA} cannot be read: {exc}") from None
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not a zerokit checkpoint (format {meta.get('format')!r})")
+    if meta.get("version") != VERSION:
+        raise CheckpointError(f"{path} has format version {meta.get('version')!r}; this zerokit reads version {VERSION}")
+    problem = next(_inconsistencies(meta), None)
+    if problem:
+        raise CheckpointError(f"{path / METADATA} does not describe a checkpoint: {problem}")
+    size = 4 * len(TENSORS) * sum(b["shard_numel"] for b in meta["buckets"])
+    for r in range(meta["world_size"]):
+        f = path / rank_file(r)
+        if not f.exists() or f.stat().st_size != size:
+            found = f"{f.stat().st_size} bytes" if f.exists() else "missing"
+            raise CheckpointError(f"{f} should hold {size} bytes ({meta['world_size']} ranks' shards): {found}")
+    return meta
+
+
+def _inconsistencies(meta):
+    """What in the metadata cannot be: shards that are not ceil(numel / N), parameters that overlap or
+    run past their bucket (a reader trusting them would read the wrong bytes, or none)."""
+    try:
+        world = meta["world_size"]
+        for bi, b in enumerate(meta["buckets"]):
+            if b["shard_numel"] != -(-b["numel"] // world):
+                yield f"bucket {bi} has shard_numel {b['shard_numel']}, not ceil({b['numel']} / {world})"
+            end = 0
+            for p in sorted(b["params"], key=lambda p: p["offset"]):
+                n = math.prod(p["shape"])
+                if p["offset"] < end or p["offset"] + n > b["numel"]:
+                    yield (f"bucket {bi}: {p['name']} at offset {p['offset']} with {n} elements overlaps another "
+                           f"parameter or runs past the bucket's {b['numel']} elements")
+                end = p["offset"] + n
+    except (KeyError, TypeError) as exc:
+        yield f"a field is missing or malformed ({type(exc).__name__}: {exc})"
+
+
+def load(path, model, opt, *, reads=None):
+    """Load a checkpoint into `model` and `opt` on every rank (a collective), whatever world size
+    and stage saved it. Everything is checked first, on every rank: a checkpoint that is
+    incomplete, of another model or of an unknown version raises the same CheckpointError on
+    every rank and changes nothing. (What cannot be checked first is the disk itself: an I/O
+    error in the middle of the reads leaves a half-loaded optimizer, to be loaded again.)
+
+    reads: a whole-shard map like shard_reads (the lesson's exercise), used for every bucket;
+    those must then hold the same parameters as the saved ones. By default shard_reads serves
+    the buckets that do, and every other piece is found by name.
+    """
+    rank, world = _rank_world()
+    names = parameter_names(model)
+
+    def check():
+        meta = read_metadata(path)
+        check_same_model(meta, model, opt)
+        group_hyperparameters(model, opt, meta.get("param_groups") or [])  # raises if the groups differ
+        if reads is not None:
+            unmatched = [i for i, sh in enumerate(_state_shards(opt)) if _saved_bucket(meta, sh, names) is None]
+            if stage_of(opt) == "ddp" or unmatched:
+                raise ValueError("whole-shard reads need every bucket to hold the same parameters as a saved one")
+        return meta
+
+    meta = agree(f"cannot load {path}", check)
+    with torch.no_grad(), Reader(path) as reader:  # from here on nothing can be refused
+        for name, offset, dest in _plan(meta, model, opt, rank, world, reads or shard_reads):
+            reader.read(name, offset, dest)
+        load_replicated(meta, model, reader)
+    set_steps(model, opt, {p["name"]: p["step"] for b in meta["buckets"] for p in b["params"]})
+    apply_description(meta, model, opt)
+    finish_load(opt)
+
+
+def _state_shards(opt):
+    return [] if stage_of(opt) == "ddp" else opt.state_shards()
+
+
+def _saved_bucket(meta, shard, names):
+    """The index of the saved bucket that holds exactly shard's parameters at the same offsets, or None."""
+    mine = [(names[p], o) for p, o in zip(shard.bucket.params, shard.bucket.offsets)]
+    for bi, b in enumerate(meta["buckets"]):
+        if [(p["name"], p["offset"]) for p in b["params"]] == mine:
+            return bi
+    return None
+
+
+def _plan(meta, model, opt, rank, world, reads):
+    """[(file, byte offset, destination)]: every read that fills this rank's state."""
+    names = parameter_names(model)
+    where = {p["name"]: (bi, p["offset"]) for bi, b in enumerate(meta["buckets"]) for p in b["params"]}
+    out, whole = [], set()
+    for sh in _state_shards(opt):  # a bucket the checkpoint has as it is: whole shards, the lesson's map
+        bi = _saved_bucket(meta, sh, names)
+        if bi is not None:
+            whole.add(id(sh.bucket))  # by bucket: state_shards() makes new StateShard objects at each call
+            size, start = meta["buckets"][bi]["shard_numel"], rank * sh.bucket.shard_numel
+            for r, lo, hi in reads(sh.bucket.numel, meta["world_size"], world, rank):
+                for kind in TENSORS:
+                    dest = getattr(sh, kind)[lo - start:hi - start]
+                    out.append((rank_file(r), tensor_offset(meta, bi, kind) + 4 * (lo - r * size), dest))
+    for t in targets(model, opt):  # any other piece, by name: wherever its offset puts it
+        if t.shard is not None and id(t.shard.bucket) in whole:
+            continue
+        bi, offset = where[t.name]
+        size = meta["buckets"][bi]["shard_numel"]
+        for r, lo, hi in covering(offset + t.lo, offset + t.hi, size):
+            for kind in TENSORS:
+                dest = t.views[kind][lo - offset - t.lo:hi - offset - t.lo]
+                out.append((rank_file(r), tensor_offset(meta, bi, kind) + 4 * (lo - r * size), dest))
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# exercise (c): one full fp32 state_dict, a parameter at a time
+
+
+def consolidate(path):
+    """A plain fp32 state_dict of the whole model from a sharded checkpoint, in one process, each
+    parameter read straight from the shards that hold it: memory is the result, nothing more.
+    Tied names share one tensor; frozen parameters and buffers are included."""
+    meta = read_metadata(path)
+    state = {}
+    with Reader(path) as reader:
+        for bi, bucket in enumerate(meta["buckets"]):
+            for p in bucket["params"]:
+                state[p["name"]] = _read_whole(reader, meta, bi, p, "weights")
+        for e in meta.get("replicated", []):
+            state[e["name"]] = read_replicated(reader, e)
+    for alias, name in meta.get("aliases", {}).items():
+        state[alias] = state[name]  # the same tensor, not a copy: a tied weight is one weight
+    order = meta.get("keys") or list(state)
+    return {k: state[k] for k in order}
+
+
+def read_parameter(reader, meta, name, kind="weights"):
+    """The whole parameter `name` (its weights, exp_avg or exp_avg_sq) in fp32 and in its shape,
+    read piece by piece from the rank files that hold it; the padding is never read."""
+    for bi, bucket in enumerate(meta["buckets"]):
+        for p in bucket["params"]:
+            if p["name"] == name:
+                return _read_whole(reader, meta, bi, p, kind)
+    raise KeyError(f"no trained parameter {name} in the checkpoint")
+
+
+def _read_whole(reader, meta, bi, p, kind):
+    """Parameter entry p of bucket bi, whole: its pieces from the rank files that hold them."""
+    size, at, numel = meta["buckets"][bi]["shard_numel"], tensor_offset(meta, bi, kind), math.prod(p["shape"])
+    full = torch.empty(numel, dtype=torch.float32)
+    for r, lo, hi in covering(p["offset"], p["offset"] + numel, size):
+        reader.read(rank_file(r), at + 4 * (lo - r * size), full[lo - p["offset"]:hi - p["offset"]])
+    return full.view(p["shape"])
+
+
+def read_replicated(reader, entry):
+    """A frozen parameter or buffer, whole (floating point ones in fp32)."""
+    t = torch.empty(entry["shape"], dtype=getattr(torch, entry["dtype"]))
+    reader.read(REPLICATED, entry["offset"], t)
+    return t.float() if t.is_floating_point() else t

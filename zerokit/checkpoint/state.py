@@ -1,0 +1,279 @@
+"""What a checkpoint reads from an optimizer, and writes back into it: one view of every stage.
+
+ZeRO-1/2/3 hand their state over through their contract (zerokit.zero1): `opt.state_shards()`,
+one StateShard per bucket, whose tensors are the optimizer's own shards, and `opt.loaded()`
+once they have been overwritten. DistributedAdam holds everything on every rank (lesson 02):
+to save, each rank takes the 1/N that a ZeRO-1 rank would own (a FlatBucket over its
+parameters; the copies made one at a time, as they are written); to load, every rank reads
+all of it.
+
+Besides the shards a checkpoint needs what makes a run resumable and a model whole:
+`describe()` (the stage, each param group's hyperparameters, the loss scaler, tied names)
+and `replicated()` (what every rank holds whole: frozen parameters and buffers).
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from ..ddp import DistributedAdam
+from ..flat import FlatBucket
+from ..zero1 import StateShard, ZeRO1Adam
+from ..zero2 import ZeRO2Adam
+from ..zero3 import ShardedParameters
+from .files import REPLICATED
+
+__all__ = ["TENSORS", "HYPER", "stage_of", "parameter_names", "saved_shards", "Target", "targets", "set_steps",
+           "finish_load", "trained_shapes", "check_same_model", "load_replicated", "describe", "apply_description",
+           "group_hyperparameters", "aliases", "replicated"]
+
+TENSORS = ("weights", "exp_avg", "exp_avg_sq")  # per bucket, in this order, in every rank file
+HYPER = ("lr", "betas", "eps", "weight_decay")
+
+
+def stage_of(opt):
+    """"ddp", "zero1", "zero2" or "zero3"; a TypeError for any other optimizer."""
+    for cls, stage in ((ShardedParameters, "zero3"), (ZeRO2Adam, "zero2"), (ZeRO1Adam, "zero1"),
+                       (DistributedAdam, "ddp")):
+        if isinstance(opt, cls):
+            return stage
+    raise TypeError(f"zerokit.checkpoint saves zerokit's DistributedAdam and ZeRO1/2/3Adam, not {type(opt).__name__}")
+
+
+def parameter_names(model):
+    """{parameter: its name}; a tied parameter gets its first name, as model.named_parameters() gives it."""
+    return {p: n for n, p in model.named_parameters()}
+
+
+def _trainable(opt):
+    """DistributedAdam's trainable parameters per param group (frozen ones are the model's)."""
+    return [[p for p in g["params"] if p.requires_grad] for g in opt.param_groups]
+
+
+def _weights(opt, p, index):
+    """DistributedAdam's fp32 weights of p: its master under mixed precision, else p itself."""
+    return p.data if opt.masters is None else opt.masters[index]
+
+
+def _flat_index(opt):
+    return {p: i for i, p in enumerate(opt._params())}  # DistributedAdam.masters is aligned with _params()
+
+
+# ---------------------------------------------------------------------------------------
+# saving
+
+
+class _ReplicaShard:
+    """The StateShard of a DistributedAdam param group on this rank: the 1/N of it that ZeRO-1
+    would own. Its tensors are copies, made when read, so a writer holds one at a time."""
+
+    def __init__(self, opt, group, params, world_size, rank):
+        self.bucket, self.group = FlatBucket(params, world_size, rank), group
+        index = _flat_index(opt)
+        self._weights = [_weights(opt, p, index[p]) for p in params]
+        self._state = [opt.state.get(p, {}) for p in params]
+        self.steps = [int(s.get("step", 0)) for s in self._state]
+
+    @property
+    def weights(self):
+        return self.bucket.shard_of(self._weights, dtype=torch.float32)
+
+    @property
+    def exp_avg(self):
+        return self.bucket.shard_of([s.get("exp_avg") for s in self._state], dtype=torch.float32)
+
+    @property
+    def exp_avg_sq(self):
+        return self.bucket.shard_of([s.get("exp_avg_sq") for s in self._state], dtype=torch.float32)
+
+
+def saved_shards(opt, world_size, rank):
+    """What this rank writes: opt.state_shards() (ZeRO), or its 1/N of DistributedAdam's state."""
+    if stage_of(opt) != "ddp":
+        return opt.state_shards()
+    return [_ReplicaShard(opt, g, ps, world_size, rank) for g, ps in enumerate(_trainable(opt)) if ps]
+
+
+# ---------------------------------------------------------------------------------------
+# loading
+
+
+@dataclass
+class Target:
+    """Elements [lo, hi) of the flattened parameter `name` that this rank must fill, and where:
+    `views[kind]` is a 1-D tensor of hi - lo elements for each kind in TENSORS. `shard` is the
+    whole StateShard the piece lies in (ZeRO), for whole-shard reads."""
+
+    name: str
+    lo: int
+    hi: int
+    views: dict
+    shard: StateShard | None = None
+
+
+def targets(model, opt):
+    """Every piece of state this rank holds, as Targets. Allocates DistributedAdam's m and v
+    where it has none yet (call it only once nothing can fail any more)."""
+    names = parameter_names(model)
+    out = []
+    if stage_of(opt) != "ddp":
+        for sh in opt.state_shards():
+            for s in sh.bucket.segments:
+                views = {k: getattr(sh, k)[s.shard_lo:s.shard_hi] for k in TENSORS}
+                out.append(Target(names[sh.bucket.params[s.index]], s.param_lo, s.param_hi, views, sh))
+        return out
+    index = _flat_index(opt)
+    for params in _trainable(opt):
+        for p in params:
+            weights = _weights(opt, p, index[p])
+            if not weights.is_contiguous():
+                raise ValueError(f"parameter {names[p]} is not contiguous: it cannot be loaded in place")
+            state = opt.state[p]
+            for k in ("exp_avg", "exp_avg_sq"):
+                if k not in state:  # never stepped: set_steps removes it again if the checkpoint agrees
+                    state[k] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+            views = {"weights": weights.view(-1), "exp_avg": state["exp_avg"].view(-1),
+                     "exp_avg_sq": state["exp_avg_sq"].view(-1)}
+            out.append(Target(names[p], 0, p.numel(), views))
+    return out
+
+
+def set_steps(model, opt, steps):
+    """Adam's step count of every parameter, from {name: step}."""
+    names = parameter_names(model)
+    if stage_of(opt) != "ddp":
+        for sh in opt.state_shards():
+            sh.steps[:] = [steps[names[p]] for p in sh.bucket.params]
+        return
+    for params in _trainable(opt):
+        for p in params:
+            if steps[names[p]] == 0:
+                opt.state.pop(p, None)  # never stepped: no state, as torch.optim.AdamW has none
+            else:
+                opt.state[p]["step"] = steps[names[p]]
+
+
+@torch.no_grad()
+def finish_load(opt):
+    """Make the model every rank computes with the loaded one (a collective for ZeRO)."""
+    if stage_of(opt) != "ddp":
+        for sh in opt.state_shards():
+            for p in sh.bucket.params:
+                p.__dict__.pop("zerokit_placeholder", None)  # a placeholder (checkpoint.stream) has its values now
+        opt.loaded()
+        return
+    if opt.masters is not None:  # mixed precision: round the loaded fp32 masters into the 16-bit parameters
+        for p, master in zip(opt._params(), opt.masters):
+            if master is not None:
+                p.data.copy_(master)
+
+
+# ---------------------------------------------------------------------------------------
+# what a whole job needs besides the shards
+
+
+def aliases(model):
+    """{second name: first name} of every tensor the model's state_dict holds twice (tied weights)."""
+    first, out = {}, {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) in first:
+            out[name] = first[id(t)]
+        else:
+            first[id(t)] = name
+    return out
+
+
+def replicated(model, saved_names):
+    """[(name, tensor)]: the model's state_dict entries that are not saved in shards (frozen
+    parameters, buffers, parameters the optimizer does not hold), each once."""
+    tied = aliases(model)
+    return [(n, t) for n, t in model.state_dict(keep_vars=True).items() if n not in saved_names and n not in tied]
+
+
+def describe(model, opt):
+    """The metadata a resumable job needs besides the buckets (rank 0 writes it)."""
+    names = parameter_names(model)
+    precision = getattr(opt, "precision", None)
+    scaler = getattr(precision, "scaler", None)
+    groups = [{**{k: g[k] for k in HYPER}, "params": [names[p] for p in g["params"] if p.requires_grad]}
+              for g in opt.param_groups]
+    return {
+        "stage": stage_of(opt),
+        "optimizer": type(opt).__name__,
+        "param_groups": [{**g, "betas": list(g["betas"])} for g in groups],
+        "param_dtype": str(precision.param_dtype).removeprefix("torch.") if precision.param_dtype else None,
+        "loss_scaler": None if scaler is None else
+        {"scale": scaler.scale, "clean_steps": scaler.clean_steps, "skipped_steps": scaler.skipped_steps},
+        "aliases": aliases(model),
+        "keys": list(model.state_dict().keys()),
+    }
+
+
+def group_hyperparameters(model, opt, saved_groups):
+    """[(param group, saved hyperparameters)] matched by the parameters' names; ValueError if a
+    group of opt mixes parameters of two saved groups."""
+    names = parameter_names(model)
+    home = {n: i for i, g in enumerate(saved_groups) for n in g["params"]}
+    out = []
+    for gi, g in enumerate(opt.param_groups):
+        homes = {home[names[p]] for p in g["params"] if p.requires_grad and names[p] in home}
+        if len(homes) > 1:
+            raise ValueError(f"param group {gi} holds parameters of saved groups {sorted(homes)}: build the "
+                             "optimizer with the same param groups as the one that saved")
+        if homes:
+            out.append((g, saved_groups[homes.pop()]))
+    return out
+
+
+def apply_description(meta, model, opt):
+    """Hyperparameters per param group and the loss scaler, as saved (what the metadata has of them)."""
+    for g, saved in group_hyperparameters(model, opt, meta.get("param_groups") or []):
+        g.update({k: tuple(saved[k]) if k == "betas" else saved[k] for k in HYPER})
+    scaler = getattr(getattr(opt, "precision", None), "scaler", None)
+    if scaler is not None and meta.get("loss_scaler"):
+        s = meta["loss_scaler"]
+        scaler.scale, scaler.clean_steps, scaler.skipped_steps = float(s["scale"]), s["clean_steps"], s["skipped_steps"]
+
+
+# ---------------------------------------------------------------------------------------
+# does a checkpoint fit this model and optimizer
+
+
+def trained_shapes(model, opt):
+    """{name: shape} of what opt trains (ZeRO-3's parameters are empty at rest: their buckets know)."""
+    names = parameter_names(model)
+    if stage_of(opt) == "ddp":
+        return {names[p]: p.shape for g in opt.param_groups for p in g["params"] if p.requires_grad}
+    return {names[p]: shape for sh in opt.state_shards() for p, shape in zip(sh.bucket.params, sh.bucket.shapes)}
+
+
+def check_same_model(meta, model, opt):
+    """ValueError naming the first difference between a checkpoint's metadata and this model and optimizer."""
+    want = trained_shapes(model, opt)
+    saved = {p["name"]: p["shape"] for b in meta["buckets"] for p in b["params"]}
+    if saved.keys() != want.keys():
+        extra, missing = sorted(saved.keys() - want.keys()), sorted(want.keys() - saved.keys())
+        raise ValueError(f"another model? trained parameters only in the checkpoint: {extra[:4]}; only here: {missing[:4]}")
+    for name, shape in want.items():
+        if list(shape) != saved[name]:
+            raise ValueError(f"another model? {name} has shape {list(shape)} here and {saved[name]} in the checkpoint")
+    mine = {n: list(t.shape) for n, t in replicated(model, want.keys())}
+    theirs = {e["name"]: e["shape"] for e in meta.get("replicated", [])}
+    differ = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
+    if differ:
+        raise ValueError(f"another model? frozen parameters or buffers differ: {differ[:4]} "
+                         f"(here {[mine.get(k) for k in differ[:4]]}, saved {[theirs.get(k) for k in differ[:4]]})")
+
+
+def load_replicated(meta, model, reader):
+    """Frozen parameters and buffers, whole on every rank (placeholders get their storage here)."""
+    state = model.state_dict(keep_vars=True)
+    for e in meta.get("replicated", []):
+        t = state[e["name"]]
+        saved = torch.empty(e["shape"], dtype=getattr(torch, e["dtype"]))
+        reader.read(REPLICATED, e["offset"], saved)
+        if getattr(t, "zerokit_placeholder", False):
+            t.data = saved.to(t.dtype)
+            del t.zerokit_placeholder
+        else:
+            t.data.copy_(saved)

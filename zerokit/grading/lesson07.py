@@ -1,0 +1,467 @@
+r"""Checks for lesson 07 (sharded checkpoints): save this rank's shards, the resharding map, consolidation.
+
+    check_numerics(save_shards, world_size, model)       exercise (a): the checkpoint your save_shards wrote,
+                                                         loaded by zerokit's loader on the same or another
+                                                         number of ranks, holds bit for bit what every rank
+                                                         held, and training goes on as torch.optim.AdamW
+    check_memory(save_shards, world_size, model)         exercise (a): each rank writes only its own shards,
+                                                         12 B per element of them, and nothing else
+    check_reshard_map(shard_reads, world_size, ...)      exercise (b): many uneven cases (PyTorch's own planner
+                                                         cases, padding, ranks left empty), then zerokit's
+                                                         loader driven by your map on real ranks
+    check_consolidate(consolidate, world_size, model)    exercise (c): a plain fp32 state_dict that
+                                                         nn.Module.load_state_dict accepts, the saved values,
+                                                         no padding, a tied weight once (one tensor)
+    check_consolidate_memory(consolidate, ...)           exercise (c): peak ≤ the output + the largest parameter
+    check_answers(answers)                               check your understanding: four numbers
+
+One bug costs one check. Each exercise is graded with zerokit's versions of the others: your
+save_shards is read back by zerokit.checkpoint.load, your map drives that loader over a
+checkpoint zerokit saved, your consolidation reads a checkpoint zerokit saved. The truth is
+what the optimizers held when they saved (read through their state_shards() contract), and
+torch.optim.AdamW on one process for the steps after a load.
+"""
+
+import json
+import math
+import os
+from pathlib import Path
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+from .. import checkpoint as ckpt
+from ..checkpoint.files import CheckpointError, rank_file
+from ..comm import WireCounter
+from ..memory import PeakRSS
+from ..models import build_model, model_loss
+from ..zero1 import ZeRO1Adam
+from ..zero2 import ZeRO2Adam
+from ..zero3 import ZeRO3Adam
+from .compare import assert_close
+from .harness import CheckFailed, passed, run_on_ranks
+from .kit import adamw_reference, global_batch, rank_batch, refusing
+
+__all__ = ["check_numerics", "check_memory", "check_reshard_map", "check_consolidate", "check_consolidate_memory",
+           "check_answers", "RESHARD_CASES"]
+
+GLOBAL_BATCH = 12  # divisible by 1, 2, 3 and 4
+STREAM = 707  # this lesson's data
+# eps 1e-6 (as lesson 05): an element of the mean gradient near 0 by cancellation would turn the
+# rounding of another summation order into large Adam steps
+HYPER = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.1)
+SAVE_STEPS, MORE_STEPS = 3, 2
+WRITE_SLACK = 64 * 1024  # bytes a rank may write besides its file: the metadata, three tiny agreements
+
+_OWN = "the exercise is to write it yourself: your {} used zerokit's own"
+NO_ZEROKIT_SAVE = [(ckpt, "save_shards", _OWN.format("save_shards") + " (zerokit.checkpoint.save_shards)")]
+NO_ZEROKIT_READS = [(ckpt, "shard_reads", _OWN.format("shard_reads") + " (zerokit.checkpoint.shard_reads)"),
+                    (ckpt, "covering", _OWN.format("shard_reads") + " (zerokit.checkpoint.covering)")]
+NO_ZEROKIT_CONSOLIDATE = [(ckpt, "consolidate", _OWN.format("consolidate") + " (zerokit.checkpoint.consolidate)"),
+                          (ckpt, "read_parameter", _OWN.format("consolidate") + " (zerokit.checkpoint.read_parameter)")]
+
+
+# ---------------------------------------------------------------------------------------
+# training, and what an optimizer holds
+
+
+def _make(stage, model):
+    if stage == "zero1":
+        return ZeRO1Adam(model.parameters(), **HYPER)
+    if stage == "zero2":  # small buckets: several of them, each with its own padding
+        return ZeRO2Adam(model.parameters(), bucket_mb=400 * 4 / 2**20, **HYPER)
+    if stage == "zero3":
+        return ZeRO3Adam(model, **HYPER)
+    raise ValueError(f"stage must be zero1, zero2 or zero3, not {stage!r}")
+
+
+def _backward(model, step, name, rank=None, world_size=None):
+    """The gradient of the global batch of `step` (one process), or of this rank's slice of it."""
+    if rank is None:
+        x, y = global_batch(name, step, GLOBAL_BATCH, STREAM)
+    else:
+        x, y = rank_batch(name, step, GLOBAL_BATCH, rank, world_size, STREAM)
+    model_loss(name, model(x), y).backward()
+
+
+def _train(name, model, opt, start, steps, rank, world_size):
+    for step in range(start, start + steps):
+        _backward(model, step, name, rank, world_size)
+        opt.step()
+        opt.zero_grad()
+
+
+def _held(model, opt):
+    """([(name, lo, hi, {kind: tensor})], {name: step}): this rank's pieces of the state."""
+    names = {p: n for n, p in model.named_parameters()}
+    pieces, steps = [], {}
+    for sh in opt.state_shards():
+        for s in sh.bucket.segments:
+            pieces.append((names[sh.bucket.params[s.index]], s.param_lo, s.param_hi,
+                           {k: getattr(sh, k)[s.shard_lo:s.shard_hi].detach().clone() for k in ckpt.TENSORS}))
+        steps.update({names[p]: st for p, st in zip(sh.bucket.params, sh.steps)})
+    return pieces, steps
+
+
+def _full_weights(model, opt):
+    if isinstance(opt, ZeRO3Adam):
+        with opt.gathered():
+            return {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _assemble(per_rank, model_name):
+    """{name: {kind: whole flat tensor}} from every rank's pieces."""
+    shapes = {n: p.numel() for n, p in build_model(model_name).named_parameters() if p.requires_grad}
+    full = {n: {k: torch.full((numel,), float("nan")) for k in ckpt.TENSORS} for n, numel in shapes.items()}
+    for pieces, _ in per_rank:
+        for name, lo, hi, views in pieces:
+            for k, t in views.items():
+                full[name][k][lo:hi] = t
+    return full
+
+
+_KIND = {"weights": "the weights", "exp_avg": "m (exp_avg)", "exp_avg_sq": "v (exp_avg_sq)"}
+
+
+def _compare_loaded(model, opt, truth, steps, what, hint):
+    pieces, loaded_steps = _held(model, opt)
+    for name, lo, hi, views in pieces:
+        for k, t in views.items():
+            expected = truth[name][k][lo:hi]
+            if not torch.equal(t, expected):
+                i = int((t != expected).nonzero()[0])
+                raise AssertionError(
+                    f"{what}: {_KIND[k]} of {name}, elements [{lo}, {hi}), differ from what was saved (first at "
+                    f"element {lo + i}: saved {float(expected[i]):.6g}, loaded {float(t[i]):.6g}). {hint}")
+    wrong = {n: (steps[n], s) for n, s in loaded_steps.items() if steps[n] != s}
+    if wrong:
+        raise AssertionError(f"{what}: Adam's step counts came back wrong (saved, loaded): {dict(list(wrong.items())[:3])}")
+
+
+def _continue_like_adamw(name, model, opt, rank, world_size, reference, what):
+    _train(name, model, opt, SAVE_STEPS, MORE_STEPS, rank, world_size)
+    record = reference[SAVE_STEPS + MORE_STEPS - 1]
+    weights = _full_weights(model, opt)
+    for n, expected in record["params"].items():
+        assert_close(weights[n], expected, f"{what}: parameter {n} after {MORE_STEPS} more steps, against AdamW")
+
+
+def _reference(model, timeout):
+    return adamw_reference(model, SAVE_STEPS + MORE_STEPS, HYPER, _backward, (model,), timeout=timeout)
+
+
+def _save_case(rank, world_size, name, stage, path, save_shards):
+    """Train SAVE_STEPS steps, save (zerokit's save, with save_shards if given); this rank's pieces."""
+    save = ckpt.save  # taken before refusing: the check's own tool
+    with refusing(*(NO_ZEROKIT_SAVE if save_shards is not None else ()), everywhere=True):
+        model = build_model(name)
+        opt = _make(stage, model)
+        _train(name, model, opt, 0, SAVE_STEPS, rank, world_size)
+        held = _held(model, opt)
+        try:
+            if save_shards is None:
+                save(path, model, opt)
+            else:
+                save(path, model, opt, save_shards=save_shards)
+        except CheckpointError as exc:
+            stub = " (is save_shards still the stub?)" if str(exc).endswith("NotImplementedError (with no message)") else ""
+            raise AssertionError(f"saving with your save_shards failed: {exc}{stub}") from None
+    return held
+
+
+def _shared_dir():
+    """A fresh directory for one check's checkpoints (the ranks see the same file system)."""
+    return Path(tempfile.mkdtemp(prefix="zerokit-lesson07-"))
+
+
+_SAVED = {}  # (model, stage, world size) -> (path, every rank's pieces): checkpoints zerokit saved
+
+
+def _saved_by_zerokit(model, stage, world_size, timeout):
+    """A checkpoint zerokit.checkpoint.save wrote after SAVE_STEPS steps, and what the ranks held;
+    saved once per configuration (a lesson's visible and hidden checks share it)."""
+    key = (model, stage, world_size)
+    if key not in _SAVED or not (_SAVED[key][0] / "COMPLETE").exists():
+        path = _shared_dir() / "ckpt"
+        held = run_on_ranks(_save_case, world_size, args=(model, stage, path, None), timeout=timeout, what="saving")
+        _SAVED[key] = (path, held)
+    return _SAVED[key]
+
+
+# ---------------------------------------------------------------------------------------
+# exercise (a): save_shards
+
+
+def _load_case(rank, world_size, name, stage, path, truth, steps, reference, reads):
+    load = ckpt.load
+    with refusing(*(NO_ZEROKIT_READS if reads is not None else ()), everywhere=True):
+        model = build_model(name, seed=1)  # other weights: the load must overwrite them
+        opt = _make(stage, model)
+        what = f"after loading on {world_size} ranks"
+        try:
+            load(path, model, opt, reads=reads)
+        except CheckpointError as exc:
+            raise AssertionError(f"zerokit.checkpoint.load refused the checkpoint: {exc}") from None
+        hint = ("Is each parameter's \"offset\" its position in its own bucket's flat buffer (bucket.offsets), "
+                "each bucket's shard_numel its own, and the file's order bucket by bucket, TENSORS in order?"
+                if reads is None else
+                "Your map sent elements to the wrong place: shards are ceil(numel/N) long, rank r' of N' holds "
+                "[r'S', min((r'+1)S', numel)) and old rank q holds [qS, (q+1)S)")
+        _compare_loaded(model, opt, truth, steps, what, hint)
+        _continue_like_adamw(name, model, opt, rank, world_size, reference, what)
+
+
+def _roundtrip(name, stage, world_size, load_world_size, timeout, save_shards=None, reads=None):
+    reference = _reference(name, timeout)
+    if save_shards is None:
+        path, held = _saved_by_zerokit(name, stage, world_size, timeout)
+    else:
+        path = _shared_dir() / "ckpt"
+        held = run_on_ranks(_save_case, world_size, args=(name, stage, path, save_shards), timeout=timeout,
+                            what="saving")
+    truth, steps = _assemble(held, name), held[0][1]
+    run_on_ranks(_load_case, load_world_size, args=(name, stage, path, truth, steps, reference, reads),
+                 timeout=timeout, what="loading")
+
+
+def check_numerics(save_shards, world_size=2, model="mlp", stage="zero2", load_world_size=None, timeout=60.0):
+    """Your save_shards on world_size ranks, read back by zerokit.checkpoint.load on load_world_size
+    ranks: the state is bit for bit what every rank held, and training goes on as AdamW."""
+    __tracebackhide__ = True
+    if not callable(save_shards):
+        raise CheckFailed(f"expected the function save_shards, got {type(save_shards).__name__}")
+    load_world_size = load_world_size or world_size
+    _roundtrip(model, stage, world_size, load_world_size, timeout, save_shards=save_shards)
+    passed(f"the checkpoint your save_shards wrote on {world_size} ranks ({model}, {stage}) loads on "
+           f"{load_world_size} ranks bit for bit, and {MORE_STEPS} more steps match torch.optim.AdamW")
+
+
+def _memory_case(rank, world_size, name, stage, directory, save_shards):
+    with refusing(*NO_ZEROKIT_SAVE, everywhere=True):
+        model = build_model(name)
+        opt = _make(stage, model)
+        _train(name, model, opt, 0, 1, rank, world_size)
+        own = 4 * len(ckpt.TENSORS) * sum(sh.bucket.shard_numel for sh in opt.state_shards())
+        dist.barrier()
+        with WireCounter() as wire:
+            meta = save_shards(directory, model, opt)
+        dist.barrier()
+    path = Path(directory) / rank_file(rank)
+    size = path.stat().st_size if path.exists() else None
+    meta_bytes = len(json.dumps(meta)) if meta is not None else 0
+    return {"own": own, "size": size, "wrote": wire.sent_bytes, "meta": meta_bytes,
+            "files": sorted(os.listdir(directory)) if rank == 0 else None}
+
+
+def check_memory(save_shards, world_size=2, model="wide-mlp", stage="zero2", timeout=60.0):
+    """Each rank writes its own file, 12 B per element of its shards (fp32 weights, m, v), and
+    nothing else: no other file, no full copy, no gathering of the others' state."""
+    __tracebackhide__ = True
+    if not callable(save_shards):
+        raise CheckFailed(f"expected the function save_shards, got {type(save_shards).__name__}")
+    directory = _shared_dir()
+    results = run_on_ranks(_memory_case, world_size, args=(model, stage, directory, save_shards), timeout=timeout,
+                           what="save_shards")
+    expected_files = [rank_file(r) for r in range(world_size)]
+    if results[0]["files"] != expected_files:
+        raise CheckFailed(f"after your save_shards on {world_size} ranks the directory holds {results[0]['files']}; "
+                          f"expected exactly {expected_files}: each rank writes its own file (rank 0 returns the "
+                          "metadata, and zerokit.checkpoint.save writes it)")
+    for rank, r in enumerate(results):
+        if r["size"] != r["own"]:
+            ratio = f" ({r['size'] / r['own']:.1f}x)" if r["size"] else ""
+            raise CheckFailed(
+                f"[rank {rank}] {rank_file(rank)} holds {r['size']} B{ratio}; this rank owns 12 B x its shard elements "
+                f"= {r['own']} B (fp32 weights, m and v of its shards). Each rank writes only what it owns: "
+                "the others' shards are in their files")
+        if r["wrote"] is not None and r["wrote"] > r["own"] + r["meta"] + WRITE_SLACK:
+            raise CheckFailed(
+                f"[rank {rank}] your save_shards wrote {r['wrote']} B in all (files and network) for {r['own']} B of "
+                "this rank's own shards: each rank writes only what it owns, and gathers nothing")
+    passed(f"each of {world_size} ranks wrote only its own shards: {results[0]['own']} B = 12 B x "
+           f"{results[0]['own'] // 12} elements ({model}, {stage})")
+
+
+# ---------------------------------------------------------------------------------------
+# exercise (b): the resharding map
+
+
+def _expected_reads(numel, old_world, new_world, new_rank):
+    """The reads, written here independently of zerokit.checkpoint."""
+    s_old, s_new = -(-numel // old_world), -(-numel // new_world)
+    start, end = min(new_rank * s_new, numel), min((new_rank + 1) * s_new, numel)
+    out = []
+    for q in range(old_world):
+        lo, hi = max(start, q * s_old), min(end, (q + 1) * s_old)
+        if lo < hi:
+            out.append((q, lo, hi))
+    return out
+
+
+# (numel, old world size, new world size): PyTorch's planner cases first (128 elements saved on 8 ranks
+# and loaded on 4: two whole reads per rank; 4 -> 8: half a chunk; 120 on 4 -> 3: rank 1 reads [40, 60)
+# and [60, 80)), then padding, ranks left empty, one rank on either side
+RESHARD_CASES = [(128, 8, 4), (128, 4, 8), (120, 4, 3), (11, 3, 2), (11, 2, 3), (13, 4, 3), (13, 3, 4), (1, 4, 3),
+                 (2, 1, 4), (7, 4, 1), (1001, 3, 4), (10, 4, 4), (9, 2, 4), (5, 4, 2), (1267, 2, 3), (3, 2, 4)]
+
+
+def _map_case(rank, world_size, fn, cases):
+    with refusing(*NO_ZEROKIT_READS, everywhere=True):
+        for numel, old, new in cases:
+            for r in range(new):
+                call = f"shard_reads({numel}, {old}, {new}, {r})"
+                got = fn(numel, old, new, r)
+                try:
+                    got = [tuple(x) for x in got]
+                except TypeError:
+                    raise AssertionError(f"{call} returned {got!r}: expected a list of (old_rank, lo, hi)") from None
+                if any(len(x) != 3 or not all(isinstance(v, int) and not isinstance(v, bool) for v in x) for x in got):
+                    raise AssertionError(f"{call} returned {got!r}: each read is (old_rank, lo, hi), Python ints")
+                want = _expected_reads(numel, old, new, r)
+                if got != want:
+                    raise AssertionError(
+                        f"{call} gave {got}; expected {want}. Shards are ceil(numel/N) long (the last ends in "
+                        f"padding); rank r of N' needs [r*S', min((r+1)*S', numel)), old rank q holds "
+                        f"[q*S, (q+1)*S): read the intersections, in order, and never the padding")
+
+
+def check_reshard_map(shard_reads, world_size=2, load_world_size=None, model="mlp", stage="zero2", cases=None,
+                      timeout=60.0):
+    """shard_reads(numel, old_world, new_world, new_rank) on many uneven cases (PyTorch's planner's among
+    them); then zerokit.checkpoint.load, driven by your map, loads a checkpoint saved on world_size
+    ranks onto load_world_size ranks bit for bit."""
+    __tracebackhide__ = True
+    if not callable(shard_reads):
+        raise CheckFailed(f"expected the function shard_reads, got {type(shard_reads).__name__}")
+    cases = list(cases or RESHARD_CASES)
+    run_on_ranks(_map_case, 1, args=(shard_reads, cases), timeout=timeout, what="shard_reads")
+    load_world_size = load_world_size or world_size
+    _roundtrip(model, stage, world_size, load_world_size, timeout, reads=shard_reads)
+    passed(f"shard_reads is right on {len(cases)} uneven cases (PyTorch's planner cases among them), and drives "
+           f"zerokit's loader from {world_size} to {load_world_size} ranks bit for bit ({model}, {stage})")
+
+
+# ---------------------------------------------------------------------------------------
+# exercise (c): consolidate
+
+
+def _consolidate_case(rank, world_size, fn, path, name, truth):
+    with refusing(*NO_ZEROKIT_CONSOLIDATE, everywhere=True):
+        state = fn(path)
+    if not isinstance(state, dict):
+        raise AssertionError(f"consolidate returned a {type(state).__name__}, not a dict (a state_dict)")
+    plain = build_model(name, seed=2)
+    original = build_model(name).state_dict()
+    keys = list(original)
+    missing, extra = [k for k in keys if k not in state], [k for k in state if k not in keys]
+    if missing or extra:
+        raise AssertionError(f"the state_dict's keys differ from {type(plain).__name__}'s: missing {missing[:4]}, "
+                             f"unexpected {extra[:4]} (tied names, frozen parameters and buffers belong in it too)")
+    for k, v in state.items():
+        if not isinstance(v, torch.Tensor):
+            raise AssertionError(f"state[{k!r}] is a {type(v).__name__}, not a tensor")
+        expected = original[k]
+        if tuple(v.shape) != tuple(expected.shape):
+            raise AssertionError(f"state[{k!r}] has shape {tuple(v.shape)}, the model's {k} {tuple(expected.shape)}"
+                                 + (": the padding at the end of a bucket belongs to no parameter"
+                                    if v.numel() > expected.numel() else ""))
+        if expected.is_floating_point() and v.dtype != torch.float32:
+            raise AssertionError(f"state[{k!r}] is {v.dtype}: a consolidated checkpoint is fp32")
+    plain.load_state_dict(state)  # strict
+    tied = {}
+    for k, t in build_model(name).state_dict(keep_vars=True).items():
+        tied.setdefault(id(t), []).append(k)
+    aliases = {other: names[0] for names in tied.values() for other in names[1:]}
+    for other, first in aliases.items():
+        if state[other].data_ptr() != state[first].data_ptr():
+            raise AssertionError(f"state[{other!r}] is a copy of state[{first!r}]: they are one tied weight, and "
+                                 "a state_dict holds it once (the same tensor under both names)")
+    for name_, full in truth.items():
+        got = state[name_].reshape(-1)
+        if not torch.equal(got, full["weights"]):
+            i = int((got != full["weights"]).nonzero()[0])
+            raise AssertionError(f"state[{name_!r}] differs from the saved weights at element {i}: saved "
+                                 f"{float(full['weights'][i]):.6g}, yours {float(got[i]):.6g} (where does each "
+                                 "parameter start in its bucket, and where does its bucket start in a rank file?)")
+    for k, t in original.items():
+        if k not in truth and k not in aliases and not torch.equal(state[k], t.float()):
+            raise AssertionError(f"state[{k!r}] (a frozen parameter or a buffer) differs from the model's")
+
+
+def check_consolidate(consolidate, world_size=2, model="edge", stage="zero3", timeout=60.0):
+    """consolidate(path) of a checkpoint zerokit saved on world_size ranks: a plain fp32 state_dict that
+    the model's load_state_dict accepts (strict), with the saved weights, tied weights once, frozen
+    parameters and buffers, and no padding."""
+    __tracebackhide__ = True
+    if not callable(consolidate):
+        raise CheckFailed(f"expected the function consolidate, got {type(consolidate).__name__}")
+    path, held = _saved_by_zerokit(model, stage, world_size, timeout)
+    truth = _assemble(held, model)
+    run_on_ranks(_consolidate_case, 1, args=(consolidate, path, model, truth), timeout=timeout, what="consolidate")
+    passed(f"consolidate gives a plain fp32 state_dict of {model} saved on {world_size} ranks ({stage}): strict "
+           "load_state_dict, the saved weights bit for bit, tied weights once, frozen parameters and buffers")
+
+
+def _peak_case(rank, world_size, fn, path):
+    with refusing(*NO_ZEROKIT_CONSOLIDATE, everywhere=True):
+        with PeakRSS():
+            fn(path)  # once before: the first run reads the code's own pages in, which is not data
+        with PeakRSS() as peak:
+            fn(path)
+    return peak.bytes
+
+
+def check_consolidate_memory(consolidate, world_size=2, model="deep-mlp", stage="zero3", timeout=60.0):
+    """The peak memory of consolidate(path) is at most the output plus the largest parameter: built
+    one parameter at a time, never a second copy of the model."""
+    __tracebackhide__ = True
+    if not callable(consolidate):
+        raise CheckFailed(f"expected the function consolidate, got {type(consolidate).__name__}")
+    path, _ = _saved_by_zerokit(model, stage, world_size, timeout)
+    peak = run_on_ranks(_peak_case, 1, args=(consolidate, path), timeout=timeout, what="consolidate")[0]
+    params = [p for p in build_model(model).parameters()]
+    model_bytes = sum(4 * p.numel() for p in params)
+    largest = max(4 * p.numel() for p in params)
+    if peak is not None and peak > model_bytes + largest:
+        raise CheckFailed(f"consolidate's peak memory was {peak / 2**20:.2f} MiB for a {model_bytes / 2**20:.2f} MiB "
+                          f"state_dict: the limit is the output plus the largest parameter, "
+                          f"{(model_bytes + largest) / 2**20:.2f} MiB. Read each parameter straight into its own "
+                          "tensor; never a whole shard or a whole bucket at once")
+    passed(f"consolidate's peak: {peak / 2**20:.2f} MiB for a {model_bytes / 2**20:.2f} MiB state_dict "
+           f"(limit: + the largest parameter, {largest / 2**20:.2f} MiB)")
+
+
+# ---------------------------------------------------------------------------------------
+# check your understanding
+
+
+def _answers():
+    psi_mlp = sum(p.numel() for p in build_model("mlp").parameters())
+    s8 = -(-psi_mlp // 8)
+    return {
+        "q1_bytes_per_rank": 12 * s8,
+        "q2_bytes_per_rank_paper": 12 * 7.5e9 / 64,
+        "q3_reads": len(_expected_reads(1000, 8, 3, 2)),
+        "q4_padding_bytes": 12 * (8 * s8 - psi_mlp),
+    }
+
+
+def check_answers(answers):
+    """Your four numbers against the course's."""
+    __tracebackhide__ = True
+    if not isinstance(answers, dict):
+        raise CheckFailed(f"expected the dict `answers`, got {type(answers).__name__}")
+    if all(answers.get(key) is None for key in _answers()):
+        raise CheckFailed("no answers yet: every entry of `answers` is still None (is the exercise still the stub "
+                          "that raises NotImplementedError?)")
+    wrong = []
+    for key, value in _answers().items():
+        got = answers.get(key)
+        if got is None or isinstance(got, bool) or not isinstance(got, (int, float)) or \
+                not math.isclose(got, value, rel_tol=1e-6):
+            wrong.append(key)
+    if wrong:
+        raise CheckFailed(f"{len(wrong)} of {len(_answers())} answers are not right yet: {', '.join(wrong)}")
+    passed(f"all {len(_answers())} answers are right")

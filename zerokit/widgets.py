@@ -1,0 +1,271 @@
+r"""Interactive figures for the lessons, drawn from the same functions the checks use.
+
+    memory_calculator()          model-state bytes per rank: Ψ, N, stage, precision, device
+    shard_map(sizes, N)          the flat buffer, its padding, and which rank owns what
+    step_timeline(traces)        one real training step: the collectives in order, by phase
+    progress(iterable, desc)     a progress bar (a widget in JupyterLab, text in a terminal)
+
+The numbers are never computed here: the calculator shows `zerokit.theory_bytes`, the shard
+map cuts with `zerokit.flat.shard_range` (or the student's own), the timeline draws what
+`zerokit.comm.trace_step` recorded. So a widget cannot disagree with a graded number.
+
+Each widget is also a picture: its display carries a static HTML rendering of its first
+state beside the live view, so nbconvert (the feedback HTML, a notebook run without a
+browser) shows the figure where JupyterLab shows the controls.
+"""
+
+import base64
+import html
+import io
+
+from matplotlib import colormaps
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch, Rectangle
+
+from .flat import padded_numel
+from .flat import shard_range as reference_shard_range
+from .memory import STAGES, theory_bytes
+
+__all__ = ["memory_calculator", "shard_map", "step_timeline", "progress", "memory_figure", "shard_figure",
+           "timeline_figure", "PRESETS"]
+
+_CATEGORIES = (("parameters", "weights", "#4e79a7"), ("gradients", "gradients", "#f28e2b"),
+               ("optimizer_states", "optimizer state", "#59a14f"))
+_STAGE_NAMES = {"ddp": "data parallel", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3"}
+# name -> (Ψ, N): the ZeRO paper's example, and two models people ask about
+PRESETS = {"ZeRO paper: 7.5B on 64 GPUs": (7.5e9, 64), "GPT-3: 175B on 1024 GPUs": (175e9, 1024),
+           "a 7B model on 8 GPUs": (7e9, 8)}
+GB = 1e9  # the paper's gigabytes (decimal), as its 120 GB / 31.4 / 16.6 / 1.9 GB are
+# Ψ on a log scale, 1M to 1T, through exact values (a FloatLogSlider rounds its exponent to its
+# step, and 7.5e9 would come back as 7.585e9: the bytes shown would not be the paper's)
+PSI_STEPS = sorted({m * 10**k for k in range(6, 12) for m in (1, 1.5, 2, 3, 5, 7, 7.5)} | {175e9, 1e12})
+
+
+def _psi_label(psi):
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6)):
+        if psi >= size:
+            return f"{psi / size:g}{unit}"
+    return f"{psi:g}"
+
+
+def progress(iterable=None, desc=None, total=None):
+    """tqdm.auto over `iterable`: a widget in a notebook, text in a terminal; silent where its
+    output would only flood a log (stderr not a terminal, as under CI)."""
+    from tqdm.auto import tqdm
+
+    return tqdm(iterable, desc=desc, total=total, disable=None, leave=False)
+
+
+# ---------------------------------------------------------------------------------------
+# the figures (matplotlib Figures, not pyplot's: no global state, nothing shown twice; a
+# notebook cell that returns one shows it)
+
+
+def memory_figure(psi, world_size, stage, precision="mixed", device_gb=80):
+    """Stacked bars of model-state bytes per rank for every stage (the chosen one in full
+    colour), the device's memory as a line, from zerokit.theory_bytes."""
+    fig = Figure(figsize=(7.5, 3.6))
+    ax = fig.subplots()
+    for k, s in enumerate(STAGES):
+        t = theory_bytes(psi, s, world_size, precision)
+        bottom = 0.0
+        for key, label, color in _CATEGORIES:
+            ax.bar(k, t[key] / GB, bottom=bottom, color=color, edgecolor="black", alpha=1.0 if s == stage else 0.3)
+            bottom += t[key] / GB
+        ax.text(k, bottom, f"{bottom:.3g} GB", ha="center", va="bottom", fontsize=9,
+                fontweight="bold" if s == stage else "normal")
+    line = ax.axhline(device_gb, color="#e15759", ls="--", lw=1.5)
+    ax.set_xticks(range(len(STAGES)), [_STAGE_NAMES[s] for s in STAGES])
+    ax.set_ylabel("GB of model state per rank")
+    ax.set_title(f"Ψ = {psi:.3g} parameters, N = {world_size}, {precision}", fontsize=10)
+    handles = [Patch(facecolor=color, edgecolor="black") for _, _, color in _CATEGORIES] + [line]
+    ax.legend(handles, [label for _, label, _ in _CATEGORIES] + [f"device: {device_gb:g} GB"], frameon=False,
+              fontsize=8, loc="upper right")
+    fig.tight_layout()
+    return fig
+
+
+def _memory_summary(psi, world_size, stage, precision, device_gb):
+    t = theory_bytes(psi, stage, world_size, precision)
+    fits = t["total"] <= device_gb * GB
+    parts = " + ".join(f"{t[key] / GB:.3g} ({label})" for key, label, _ in _CATEGORIES)
+    verdict = "fits" if fits else "does not fit"
+    return (f'<span class="zerokit-memory-total" data-bytes="{t["total"]:.0f}"><b>{_STAGE_NAMES[stage]}: '
+            f'{t["total"] / GB:.4g} GB per rank</b></span> = {parts} GB; '
+            f'<span class="zerokit-memory-fits">{verdict}</span> in {device_gb:g} GB')
+
+
+def shard_figure(sizes, world_size, shard_range=None, names=None):
+    """The flat buffer of parameters of `sizes`, padded for world_size ranks, and what each
+    rank's shard_range(numel, N, rank) owns; elements no rank owns are marked."""
+    shard_range = shard_range or reference_shard_range
+    names = list(names) if names is not None else [f"p{i}" for i in range(len(sizes))]
+    numel, n = sum(sizes), world_size
+    padded = padded_numel(numel, n)
+    fig = Figure(figsize=(9, 0.5 * n + 1.6))
+    ax = fig.subplots()
+    top = n + 0.3
+    x = 0
+    for i, size in enumerate(sizes):  # the flat buffer: parameters end to end
+        color = colormaps["tab10"](i % 10)
+        ax.add_patch(Rectangle((x, top), size, 0.6, facecolor=color, edgecolor="black", lw=0.6))
+        ax.text(x + size / 2, top + 0.3, f"{names[i]} ({size})", ha="center", va="center", fontsize=7)
+        x += size
+    if padded > numel:
+        ax.add_patch(Rectangle((numel, top), padded - numel, 0.6, facecolor="white", edgecolor="black", hatch="//",
+                               lw=0.6))
+        ax.text(padded, top + 0.75, "padding", ha="right", va="bottom", fontsize=7)
+    ax.text(-0.01 * padded, top + 0.3, "flat buffer", ha="right", va="center", fontsize=8)
+    owned = [False] * max(numel, 1)
+    for r in range(n):
+        start, end = shard_range(numel, n, r)
+        y = n - 1 - r
+        ax.add_patch(Rectangle((start, y), max(end - start, 0), 0.6, facecolor="#bab0ac", edgecolor="black"))
+        ax.text(-0.01 * padded, y + 0.3, f"rank {r}", ha="right", va="center", fontsize=8)
+        ax.text(start + (end - start) / 2, y + 0.3, f"[{start}, {end})", ha="center", va="center", fontsize=7)
+        for e in range(max(start, 0), min(end, numel)):
+            owned[e] = True
+    dropped = [e for e in range(numel) if not owned[e]]
+    for e in dropped:
+        ax.add_patch(Rectangle((e, -0.9), 1, 0.5, facecolor="#e15759", edgecolor="none"))
+    if dropped:
+        ax.text(-0.01 * padded, -0.65, "no owner", ha="right", va="center", fontsize=8, color="#e15759")
+    caption = (f"{len(dropped)} element(s) belong to no rank: {dropped[0]}..{dropped[-1]}" if dropped else
+               f"{numel} elements, padded to {padded} = {n} x {padded // n}: every element has one owner")
+    ax.set_title(caption, fontsize=10, color="#e15759" if dropped else "black")
+    ax.set_xlim(-0.12 * padded, padded * 1.02)
+    ax.set_ylim(-1.1, top + 0.8)
+    ax.axis("off")
+    fig.tight_layout()
+    return fig
+
+
+_OP_COLORS = {"all_gather": "#4e79a7", "reduce_scatter": "#f28e2b", "all_reduce": "#e15759", "broadcast": "#76b7b2"}
+_PHASE_COLORS = {"forward": "#d4e6f1", "backward": "#dddddd", "step": "#c7e9c0"}
+
+
+def timeline_figure(trace, title=""):
+    """One step as zerokit.comm.trace_step recorded it: the phases as bars, each collective a
+    tick on its own lane at the moment it was issued, labelled with its size."""
+    fig = Figure(figsize=(10, 2.4))
+    ax = fig.subplots()
+    for name, start, end in trace["phases"]:
+        ax.barh(1, end - start, left=start, color=_PHASE_COLORS.get(name, "#eeeeee"), edgecolor="black")
+        ax.text(start + (end - start) / 2, 1, name, ha="center", va="center", fontsize=8)
+    lanes = sorted({op for op, _, _ in trace["calls"]})
+    for op, numel, t in trace["calls"]:
+        lane = -lanes.index(op) * 0.5
+        ax.vlines(t, lane - 0.2, lane + 0.2, color=_OP_COLORS.get(op, "black"), lw=2)
+    for k, op in enumerate(lanes):
+        calls = [c for c in trace["calls"] if c[0] == op]
+        ax.text(-0.01 * max(e for _, _, e in trace["phases"]), -k * 0.5,
+                f"{op.replace('_', '-')} ×{len(calls)}, {sum(c[1] for c in calls):,} el.", ha="right", va="center",
+                fontsize=8)
+    end = max(e for _, _, e in trace["phases"])
+    ax.set_xlim(-0.35 * end, end * 1.02)
+    ax.set_ylim(-0.5 * len(lanes) - 0.2, 1.6)
+    ax.set_yticks([])
+    ax.set_xlabel("ms since forward began (issue times; the recorder itself slows each operation)")
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+# ---------------------------------------------------------------------------------------
+# live views (ipywidgets) with a static fallback
+
+
+def _png(fig):
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90)
+    return buf.getvalue()
+
+
+class _Shown:
+    """A widget whose display also carries a static HTML picture of its first state.
+
+    JupyterLab renders the widget; nbconvert, which cannot run it, falls back to the HTML
+    (its exporter skips a widget view when the notebook holds no widget state).
+    """
+
+    def __init__(self, widget, static_html):
+        self.widget, self.static_html = widget, static_html
+
+    def _repr_mimebundle_(self, **kwargs):
+        bundle = self.widget._repr_mimebundle_(**kwargs) or {}
+        return {**bundle, "text/html": self.static_html}
+
+
+def _static(png, caption):
+    data = base64.b64encode(png).decode()
+    return f'<div><img src="data:image/png;base64,{data}"/><div>{caption}</div></div>'
+
+
+def _image_widget(png):
+    import ipywidgets as w
+
+    return w.Image(value=png, format="png")
+
+
+def memory_calculator(psi=7.5e9, world_size=64, stage="zero3", precision="mixed", device_gb=80):
+    """Model-state memory per rank by the ZeRO paper's formulas (zerokit.theory_bytes)."""
+    import ipywidgets as w
+
+    presets = w.Dropdown(options=["(your own)", *PRESETS], description="preset")
+    steps = sorted(set(PSI_STEPS) | {psi})
+    psi_w = w.SelectionSlider(options=[(_psi_label(v), v) for v in steps], value=psi, description="Ψ")
+    n_w = w.IntSlider(value=world_size, min=1, max=1024, description="N (ranks)", continuous_update=False)
+    stage_w = w.ToggleButtons(options=[(_STAGE_NAMES[s], s) for s in STAGES], value=stage, description="stage")
+    prec_w = w.ToggleButtons(options=["fp32", "mixed"], value=precision, description="precision")
+    dev_w = w.Dropdown(options=[24, 40, 80, 141], value=device_gb, description="device GB")
+    image = _image_widget(_png(memory_figure(psi, world_size, stage, precision, device_gb)))
+    summary = w.HTML(_memory_summary(psi, world_size, stage, precision, device_gb))
+
+    def redraw(_=None):
+        args = (psi_w.value, n_w.value, stage_w.value, prec_w.value, dev_w.value)
+        image.value = _png(memory_figure(*args))
+        summary.value = _memory_summary(*args)
+
+    def preset(change):
+        if change["new"] in PRESETS:
+            psi_w.value, n_w.value = PRESETS[change["new"]]
+
+    presets.observe(preset, names="value")
+    for control in (psi_w, n_w, stage_w, prec_w, dev_w):
+        control.observe(redraw, names="value")
+    box = w.VBox([presets, psi_w, n_w, stage_w, prec_w, dev_w, summary, image])
+    box.add_class("zerokit-memory-calculator")
+    return _Shown(box, _static(image.value, _memory_summary(psi, world_size, stage, precision, device_gb)))
+
+
+def shard_map(sizes=(5, 2, 4), world_size=3, shard_range=None, names=None):
+    """The flat buffer of these parameter sizes cut for N ranks; pass your own shard_range to
+    see what it owns (a numel // N shard drops the remainder: those elements turn red)."""
+    import ipywidgets as w
+
+    n_w = w.IntSlider(value=world_size, min=1, max=8, description="N (ranks)")
+    image = _image_widget(_png(shard_figure(sizes, world_size, shard_range, names)))
+    n_w.observe(lambda change: setattr(image, "value", _png(shard_figure(sizes, change["new"], shard_range, names))),
+                names="value")
+    box = w.VBox([n_w, image])
+    box.add_class("zerokit-shard-map")
+    caption = html.escape(f"shard map of {list(sizes)} on {world_size} ranks")
+    return _Shown(box, _static(image.value, caption))
+
+
+def step_timeline(traces):
+    """One recorded step per configuration ({label: zerokit.comm.trace_step(...)}), chosen from
+    a list: which collectives each stage issues, and in which phase."""
+    import ipywidgets as w
+
+    labels = list(traces)
+    choice = w.Dropdown(options=labels, value=labels[0], description="step of")
+    image = _image_widget(_png(timeline_figure(traces[labels[0]], labels[0])))
+    choice.observe(lambda change: setattr(image, "value", _png(timeline_figure(traces[change["new"]], change["new"]))),
+                   names="value")
+    box = w.VBox([choice, image])
+    box.add_class("zerokit-step-timeline")
+    # the static picture shows every configuration, one under the other
+    pictures = "".join(_static(_png(timeline_figure(t, label)), html.escape(label)) for label, t in traces.items())
+    return _Shown(box, pictures)
+
