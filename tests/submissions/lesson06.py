@@ -5,7 +5,7 @@ test_overflow_step 2. The optimizer's checks run it with zerokit's scaler, so a 
 exercise costs only that exercise's checks.
 """
 
-from . import SOLUTION, Student, correct, full_marks, untouched
+from . import SOLUTION, Student, correct, full_marks, solution_with, untouched
 
 LESSON = "06_mixed_precision"
 KEEP = ("import zerokit",)  # the imports cell (it also picks the forkserver launcher)
@@ -83,6 +83,16 @@ UPDATES_HALF = '''class MyMixedPrecisionAdam(torch.optim.Optimizer):
         return None
 '''
 
+# Skips the overflow step, but counts it: self.steps advances before the verdict. Nothing changes
+# on the skipped step itself; every later step's bias correction uses a t one too large.
+COUNTS_SKIPPED = solution_with("""        if not self.scaler.update():
+            return None  # an inf or nan on some rank: every rank skips
+        self.steps += 1
+""", """        self.steps += 1  # BUG: counted before the verdict
+        if not self.scaler.update():
+            return None
+""")
+
 STUDENTS = [
     correct(LESSON, "loss_scaler", "master_adam"),
     untouched(LESSON, "NotImplementedError"),
@@ -92,4 +102,7 @@ STUDENTS = [
     Student("updates_half_params", "AdamW applied to the 16-bit parameters; the fp32 masters never move",
             {**FULL, "test_master_update": 0}, reason="did not change",
             cells={"loss_scaler": SOLUTION, "master_adam": UPDATES_HALF}),
+    Student("counts_skipped_step", "skips the overflow step but still advances the step count t",
+            {**FULL, "test_overflow_step": 0}, reason="must leave no trace",
+            cells={"loss_scaler": SOLUTION, "master_adam": COUNTS_SKIPPED}),
 ]
