@@ -41,8 +41,12 @@ NO_SANDBOX = "--no-sandbox"
 # that programs read (users, the dynamic linker's cache, time zone). Not the whole of /etc:
 # it may hold secrets, and the kernel runs as the same user as the grader.
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
-ETC_FILES = ("passwd", "group", "nsswitch.conf", "hosts", "localtime", "ld.so.cache", "ld.so.conf",
-             "ld.so.conf.d", "alternatives")
+ETC_FILES = ("passwd", "group", "nsswitch.conf", "localtime", "ld.so.cache", "ld.so.conf", "ld.so.conf.d",
+             "alternatives", "fonts")  # fonts: matplotlib's fontconfig writes an error to stderr without it
+# The sandbox's own host name, and an /etc/hosts that resolves it: torchrun's rendezvous and gloo
+# look their host name up, and with no network to ask they would retry for minutes.
+HOSTNAME = "grading"
+HOSTS = f"127.0.0.1\tlocalhost {HOSTNAME}\n::1\tlocalhost ip6-localhost ip6-loopback\n"
 
 # Environment variables a kernel may see from the grader's; everything else is cleared.
 PASS_ENV_PREFIXES = ("NBGRADER_", "ZEROKIT_", "LC_")
@@ -103,8 +107,9 @@ def _course_dir():
 class Wall:
     """The bwrap command line for one notebook's kernel.
 
-    scratch: the notebook's own folder on the host (its working copy and the kernel's sockets
-    live under it); it is the only place the code inside can write to that outlives a process.
+    scratch: the notebook's own folder on the host: its working copy (work/) and the kernel's
+    sockets (kernel/) live there, the only places the code inside can write to that outlive a
+    process; and the sandbox's /etc/hosts (read-only inside).
     hidden: folders that must not be visible inside (solutions/, the submissions, the course
     and output folders); building the wall fails if a read-only bind would expose one of them.
     """
@@ -113,6 +118,9 @@ class Wall:
         self.scratch = os.path.realpath(scratch)
         self.hidden = [os.path.realpath(h) for h in hidden]
         self.readable = self._readable()
+        self.writable = [os.path.join(self.scratch, d) for d in ("work", "kernel")]
+        self.hosts = os.path.join(self.scratch, "hosts")
+        Path(self.hosts).write_text(HOSTS)
 
     def _readable(self):
         paths = {p for p in SYSTEM_DIRS if os.path.lexists(p)} | _python_dirs() | {_course_dir()}
@@ -130,7 +138,7 @@ class Wall:
         """The bwrap command line that runs `argv` in `cwd` (inside the scratch folder) with `env`
         filtered to what a kernel may see."""
         args = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
-                "--hostname", "grading"]
+                "--hostname", HOSTNAME]
         for p in self.readable:
             if os.path.islink(p) and p in SYSTEM_DIRS:
                 args += ["--symlink", os.readlink(p), p]  # /bin -> usr/bin: the same layout inside
@@ -140,11 +148,13 @@ class Wall:
             path = f"/etc/{name}"
             if os.path.exists(path):
                 args += ["--ro-bind", path, path]
-        args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/dev/shm", "--tmpfs", "/tmp",
-                 "--dir", "/tmp/home", "--bind", self.scratch, self.scratch,
-                 # the root bwrap builds is a writable tmpfs: read-only, so that a write outside the
-                 # scratch folder and /tmp fails instead of landing in a throwaway copy
-                 "--remount-ro", "/", "--chdir", str(cwd)]
+        args += ["--ro-bind", self.hosts, "/etc/hosts"]
+        args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/dev/shm", "--tmpfs", "/tmp", "--dir", "/tmp/home"]
+        for d in self.writable:
+            args += ["--bind", d, d]
+        # the root bwrap builds is a writable tmpfs: read-only, so that a write outside the
+        # scratch folder and /tmp fails instead of landing in a throwaway copy
+        args += ["--remount-ro", "/", "--chdir", str(cwd)]
         args += ["--clearenv"]
         for key, value in sorted(self.environment(env).items()):
             args += ["--setenv", key, value]
@@ -158,6 +168,9 @@ class Wall:
             "PATH": os.pathsep.join([bindir, "/usr/local/bin", "/usr/bin", "/bin"]),
             "HOME": "/tmp/home",  # not the instructor's
             "PYTHONSAFEPATH": "1",  # no folder of the notebook's on sys.path (issue: planted packages)
+            # the zerokit bound read-only here, whichever way it is installed (and the grader's own if
+            # it runs from another copy through PYTHONPATH)
+            "PYTHONPATH": os.path.dirname(_course_dir()),
             "PYTHONDONTWRITEBYTECODE": "1",  # the course's files are read-only here anyway
             "GLOO_SOCKET_IFNAME": "lo",  # the ranks' only network; gloo would warn looking for another
         })
