@@ -41,6 +41,7 @@ The modules, each importing only those listed above it (and zerokit.grading.less
     kernel        GradingKernelManager: this Python's ipykernel, -P, scratch folder, behind the wall
     execute       GradingExecute
     restore       RestoreCells
+    feedback      HideTests: nbgrader's ClearHiddenTests for test cells only
     settings      grade_as_the_course: the preprocessors every nbgrader command uses
     course        the course folder's nbgrader config (and the one written there); running an app
     submissions   find_submissions: which (student, lesson) there are to grade

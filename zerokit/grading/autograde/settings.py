@@ -9,7 +9,7 @@ same way:
   safe-path mode behind bubblewrap) and RestoreCells for OverwriteCells (deleted test cells
   put back, and edits judged against what students received: lessons/);
 - feedback: the hidden tests' code never shown (their outcome and reason are), whoever
-  generates it: nbgrader's ClearHiddenTests in GenerateFeedback's preprocessors.
+  generates it: HideTests (nbgrader's ClearHiddenTests) in GenerateFeedback's preprocessors.
 
 The lists are nbgrader's defaults with those two substitutions, read from nbgrader itself,
 so a new nbgrader preprocessor is kept rather than silently dropped.
@@ -19,17 +19,18 @@ from __future__ import annotations
 
 from nbconvert.preprocessors import CSSHTMLHeaderPreprocessor
 from nbgrader.converters import Autograde
-from nbgrader.preprocessors import ClearHiddenTests, Execute, GetGrades, OverwriteCells
+from nbgrader.preprocessors import Execute, GetGrades, OverwriteCells
 
 from ..lessons import LESSONS
 from .execute import GradingExecute
+from .feedback import HideTests
 from .restore import RestoreCells
 
 __all__ = ["grade_as_the_course", "FEEDBACK_PREPROCESSORS"]
 
 # nbgrader's GenerateFeedback default is [GetGrades, CSSHTMLHeaderPreprocessor]: the hidden
-# tests would be shown to the student as they ran. ClearHiddenTests removes them.
-FEEDBACK_PREPROCESSORS = [GetGrades, ClearHiddenTests, CSSHTMLHeaderPreprocessor]
+# tests would be shown to the student as they ran. HideTests (ClearHiddenTests) removes them.
+FEEDBACK_PREPROCESSORS = [GetGrades, HideTests, CSSHTMLHeaderPreprocessor]
 
 
 def grade_as_the_course(c):
@@ -40,8 +41,6 @@ def grade_as_the_course(c):
     c.Autograde.autograde_preprocessors = [
         GradingExecute if p is Execute else p for p in traits["autograde_preprocessors"].default()]
     c.GenerateFeedback.preprocessors = list(FEEDBACK_PREPROCESSORS)
-    # a student's own cell quoting the markers must not stop the feedback from being made
-    c.ClearHiddenTests.enforce_metadata = False
     # edited test cells are judged against what students received, not against a fresh
     # generation from solutions/ (which may have changed since the release)
     c.RestoreCells.release_directory = str(LESSONS)
