@@ -61,10 +61,10 @@ def _diff(a, b, lesson, fresh_label):
     return "\n".join(list(diff)[:60])
 
 
-def release_drift(release_dir, lesson):
+def release_drift(release_dir, lesson, released=LESSONS):
     """"" if release_dir/<lesson> (just generated from solutions/) has the cells of the committed
-    lessons/<lesson>, what students received; else a diff of the two."""
-    committed = LESSONS / lesson / f"{lesson}.ipynb"
+    lessons/<lesson> (`released`), what students received; else a diff of the two."""
+    committed = Path(released) / lesson / f"{lesson}.ipynb"
     if not committed.exists():
         return f"lessons/{lesson}/{lesson}.ipynb is missing: run `make lessons` (and release it) first"
     a, b = _cells(committed), _cells(Path(release_dir) / lesson / f"{lesson}.ipynb")

@@ -25,11 +25,11 @@ CONFIG = "nbgrader_config.py"
 WRITTEN_BY = "# Written by python -m zerokit.grading.autograde (make grade); rewritten by each grading run."
 
 
-def _folders(course_dir, submissions, out):
+def _folders(course_dir, submissions, out, solutions=SOLUTIONS):
     course_dir = Path(course_dir).resolve()
     return {
         "root": str(course_dir),
-        "source_directory": str(SOLUTIONS),
+        "source_directory": str(Path(solutions).resolve()),
         "release_directory": str(course_dir / "release"),
         "submitted_directory": str(Path(submissions).resolve()),
         "autograded_directory": str(course_dir / "autograded"),
@@ -47,20 +47,24 @@ def _options(options):
             if options.get(key) is not None]
 
 
-def course_config(course_dir, submissions, out, options, settings=()):
+def course_config(course_dir, submissions, out, options, settings=(), solutions=SOLUTIONS, released=None):
     """The repository's nbgrader_config.py, pointed at this course folder, with this run's options.
 
     settings: extra (Class, trait, value) triples, as nbgrader's own `--Class.trait=value`.
+    solutions, released: the source notebooks and what students received (default: the
+    repository's solutions/ and lessons/).
     """
     cfg = PyFileConfigLoader(CONFIG, path=str(ROOT)).load_config()
-    for trait, value in _folders(course_dir, submissions, out).items():
+    for trait, value in _folders(course_dir, submissions, out, solutions).items():
         setattr(cfg.CourseDirectory, trait, value)
+    if released is not None:
+        cfg.RestoreCells.release_directory = str(Path(released).resolve())
     for cls, trait, value in _options(options) + list(settings):
         setattr(cfg[cls], trait, value)
     return cfg
 
 
-def write_course_config(course_dir, submissions, out, options, settings=()):
+def write_course_config(course_dir, submissions, out, options, settings=(), solutions=SOLUTIONS, released=None):
     """An nbgrader_config.py in a course folder other than the repository: nbgrader's commands run
     there see this course. Returns its path, or None for the repository (it has its own) and for a
     config an instructor wrote (left alone)."""
@@ -75,7 +79,10 @@ def write_course_config(course_dir, submissions, out, options, settings=()):
              "# formgrader) see the course below; its settings come from the repository's config.",
              "c = get_config()  # noqa: F821",
              f"load_subconfig({str(ROOT / CONFIG)!r})  # noqa: F821", ""]
-    lines += [f"c.CourseDirectory.{trait} = {value!r}" for trait, value in _folders(course_dir, submissions, out).items()]
+    lines += [f"c.CourseDirectory.{trait} = {value!r}"
+              for trait, value in _folders(course_dir, submissions, out, solutions).items()]
+    if released is not None:
+        lines.append(f"c.RestoreCells.release_directory = {str(Path(released).resolve())!r}")
     lines += [f"c.{cls}.{trait} = {value!r}" for cls, trait, value in _options(options) + list(settings)]
     path.write_text("\n".join(lines) + "\n")
     return path

@@ -105,17 +105,27 @@ def _placeholder_autograded(cfg, student, lesson, error):
 
 
 def _feedback_receipt(cfg, student, lesson):
-    """timestamp.txt and submission_secret.txt beside the feedback, which `nbgrader release_feedback`
-    reads. nbgrader's exchange writes them at submission; a submission copied in by hand has none,
-    and release_feedback would stop with FileNotFoundError. The timestamp is then the notebook's
-    modification time, and the secret a fresh random one (it names the released file)."""
-    feedback = Path(cfg.CourseDirectory.feedback_directory) / student / lesson
-    if not feedback.is_dir():
-        return
+    """timestamp.txt and submission_secret.txt beside the graded notebook and its feedback, which
+    `nbgrader release_feedback` reads. nbgrader's exchange writes them at submission; a submission
+    copied in by hand has none, and release_feedback would stop with FileNotFoundError. The
+    timestamp is then the notebook's modification time, and the secret a fresh random one (it
+    names the released file). In autograded/ too: nbgrader generate_feedback copies them from
+    there, so they survive a regeneration of the feedback."""
     submitted = Path(cfg.CourseDirectory.submitted_directory) / student / lesson
-    stamp, secret = feedback / "timestamp.txt", feedback / "submission_secret.txt"
-    if not stamp.exists():
+    folders = [Path(cfg.CourseDirectory.autograded_directory) / student / lesson,
+               Path(cfg.CourseDirectory.feedback_directory) / student / lesson]
+    folders = [f for f in folders if f.is_dir()]
+    found = {}  # what the exchange (or an earlier run) wrote wins
+    for name in ("timestamp.txt", "submission_secret.txt"):
+        for folder in [submitted, *folders]:
+            if (folder / name).is_file():
+                found[name] = (folder / name).read_text()
+                break
+    if "timestamp.txt" not in found:
         when = datetime.fromtimestamp((submitted / f"{lesson}.ipynb").stat().st_mtime, timezone.utc)
-        stamp.write_text(when.strftime("%Y-%m-%d %H:%M:%S.%f %Z"))
-    if not secret.exists():
-        secret.write_text(secrets.token_hex(16))
+        found["timestamp.txt"] = when.strftime("%Y-%m-%d %H:%M:%S.%f %Z")
+    found.setdefault("submission_secret.txt", secrets.token_hex(16))
+    for folder in folders:
+        for name, text in found.items():
+            if not (folder / name).exists():
+                (folder / name).write_text(text)

@@ -17,7 +17,7 @@ from pathlib import Path
 from nbgrader.api import Gradebook
 from nbgrader.converters import GenerateAssignment
 
-from ..lessons import ROOT, lesson_ids, nbgrader_env, release_drift
+from ..lessons import LESSONS, ROOT, SOLUTIONS, lesson_ids, nbgrader_env, release_drift
 from . import sandbox
 from .course import course_config, run_app, write_course_config
 from .grades_csv import write_grades_csv
@@ -54,11 +54,13 @@ def isolation(use_sandbox):
 
 def grade(submissions, lessons=None, students=None, course_dir=ROOT, out=None, jobs=None, cell_timeout=None,
           test_timeout=None, check_timeout=None, notebook_timeout=1800, memory_limit_gb=None, echo=print,
-          sandbox=True, settings=()):
+          sandbox=True, settings=(), solutions=SOLUTIONS, released=LESSONS):
     """Autograde every (student, lesson) under `submissions`; write feedback and grades.csv.
 
     sandbox: run each kernel behind bubblewrap (False: --no-sandbox, an explicit choice).
     settings: (Class, trait, value) for nbgrader's config, as its `--Class.trait=value`.
+    solutions, released: nbgrader's source notebooks, and what students received (the
+    repository's solutions/ and lessons/); grading stops if the two have drifted apart.
 
     Returns {(student, lesson): {"score", "max_score", "cells": {grade_id: (score, max)},
     "reasons": {grade_id: one line}, "seconds", "strays": [killed process], "error": text or None,
@@ -81,13 +83,13 @@ def grade(submissions, lessons=None, students=None, course_dir=ROOT, out=None, j
                "sandbox": bool(sandbox)}
     graded_lessons = sorted({lesson for _, lesson in todo})
     course_dir.mkdir(parents=True, exist_ok=True)
-    cfg = course_config(course_dir, submissions, out, options, settings)
-    written = write_course_config(course_dir, submissions, out, options, settings)
+    cfg = course_config(course_dir, submissions, out, options, settings, solutions, released)
+    written = write_course_config(course_dir, submissions, out, options, settings, solutions, released)
     for lesson in graded_lessons:
         ok, log = run_app(GenerateAssignment, cfg, lesson, force=True, create_assignment=True)
         if not ok:
             raise SystemExit(f"nbgrader generate_assignment {lesson} failed:\n{log}")
-        drift = release_drift(Path(cfg.CourseDirectory.release_directory), lesson)
+        drift = release_drift(Path(cfg.CourseDirectory.release_directory), lesson, released)
         if drift:
             raise SystemExit(_drift_message(lesson, drift))
     with Gradebook(cfg.CourseDirectory.db_url, cfg.CourseDirectory.course_id) as gb:
