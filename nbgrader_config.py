@@ -43,5 +43,5 @@ grade_as_the_course(c)
 
 # Late submissions: nbgrader's default flags them and takes nothing off. To take points off,
 # set a due date (`nbgrader db assignment add LESSON --duedate=...` or the formgrader) and e.g.
-#   c.LateSubmissionPenalty.penalty_method = "zero"
+#   c.LateSubmissionPlugin.penalty_method = "zero"
 # grades.csv then shows the score after the penalty, with the raw score and penalty beside it.

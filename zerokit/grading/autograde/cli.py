@@ -1,7 +1,7 @@
 """The command line, `python -m zerokit.grading.autograde`: main() parses it and calls grade().
 
 Besides its own options it takes nbgrader's `--Class.trait=value` settings (as every
-nbgrader command does), e.g. `--LateSubmissionPenalty.penalty_method=zero`; they apply to
+nbgrader command does), e.g. `--LateSubmissionPlugin.penalty_method=zero`; they apply to
 this run and are written into a course folder's nbgrader_config.py.
 """
 

@@ -96,24 +96,31 @@ class GradingExecute(Execute):
             return self.km.kernel_pid()
         return getattr(getattr(self.km, "provisioner", None), "pid", None)
 
-    def _watch(self, pid):
-        """Kill the kernel, or a process it started, that outgrows its memory limit."""
-        try:
-            kernel = psutil.Process(pid)
-        except psutil.Error:
-            return
+    def _watch(self):
+        """Kill the kernel, or a process it started, that outgrows its memory limit.
+
+        The kernel's pid is looked up here, again until found: behind the wall it is a process
+        below bwrap, which may not be listed yet when the first cell starts.
+        """
+        kernel = None
         while not self._watch_stop.wait(0.1):
             try:
+                if kernel is None or not kernel.is_running():
+                    pid = self._kernel_pid()
+                    if pid is None:
+                        continue
+                    kernel = psutil.Process(pid)
                 procs = [kernel] + kernel.children(recursive=True)
             except psutil.Error:
-                return  # the kernel is gone
+                kernel = None
+                continue
             for p in procs:
-                limit = self.memory_limit_gb if p.pid == pid else self.child_memory_limit_gb
+                limit = self.memory_limit_gb if p.pid == kernel.pid else self.child_memory_limit_gb
                 try:
                     rss = p.memory_info().rss
                     if rss > limit * 2**30:
                         p.kill()
-                        if p.pid == pid:
+                        if p.pid == kernel.pid:
                             self._memory_kill = (f"the kernel (the Python process running your notebook) used "
                                                  f"{rss / 2**30:.1f} GiB of memory, over the {limit:g} GiB limit, "
                                                  "and was stopped")
@@ -126,8 +133,8 @@ class GradingExecute(Execute):
         if self._dead:
             cell.outputs = [_error_output("NotRun", f"not run: {self._dead}")]
             return self._annotate(cell), resources
-        if self._watcher is None and self._kernel_pid():
-            self._watcher = threading.Thread(target=self._watch, args=(self._kernel_pid(),), daemon=True)
+        if self._watcher is None:
+            self._watcher = threading.Thread(target=self._watch, daemon=True)
             self._watcher.start()
         limit = self._timeout_for(cell)
         # nbclient interrupts the kernel on a timeout and records this as the cell's error
