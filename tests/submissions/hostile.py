@@ -17,7 +17,7 @@ LISTENER_FILE = "listener_port.txt"
 
 # Before the test cells: rewrite a check's comparison so that it always passes (the hidden
 # tests import the checks afresh from disk), wreck the hidden tests' source, plant a file in
-# lessons/, and read the hidden tests.
+# lessons/, read the hidden tests, and look for another student's notebook.
 WRITES = '''import pathlib
 import zerokit
 import zerokit.grading.compare as compare
@@ -37,14 +37,28 @@ for what, attempt in attempts.items():
     except OSError as exc:
         print(f"hostile write {what}: failed ({type(exc).__name__})")
 try:
-    print(f"hostile read solutions/: done ({'BEGIN HIDDEN TESTS' in source.read_text()})")
+    print(f"hostile read solutions/: done ({len(source.read_text())} characters of hidden tests)")
 except OSError as exc:
     print(f"hostile read solutions/: failed ({type(exc).__name__})")
+# another student's notebook, wherever it is: a bounded search of the usual places
+import os
+found, seen = None, 0
+for top in ("/tmp", "/work", "/home", "/root", "/srv"):
+    for folder, _, names in os.walk(top):
+        seen += len(names)
+        if "00_collectives.ipynb" in names and not folder.startswith(os.getcwd()):
+            found = os.path.join(folder, "00_collectives.ipynb")
+        if found or seen > 20000:
+            break
+    if found:
+        break
+print(f"hostile read other submissions: {f'done ({found})' if found else 'failed (none in sight)'}")
 '''
 
 # Before the test cells: a process that leaves the kernel's session, process group and
-# environment (a double fork, setsid, an empty environment), and a connection to the grader's
-# loopback and to the internet.
+# environment (a double fork, setsid, an empty environment), and connections to the grader's
+# loopback and beyond the machine (to a documentation address, so nothing real is contacted
+# when the wall is down).
 PROCESSES = f'''import os, socket, subprocess, sys
 
 daemon = "import os, time\\nif os.fork():\\n    os._exit(0)\\nos.setsid()\\nwhile True:\\n    time.sleep(1)\\n"
@@ -52,12 +66,12 @@ subprocess.Popen([sys.executable, "-c", daemon + "# {DETACHED_MARKER}"], env={{}
                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 print("hostile detached process: started")
 
-targets = [("the internet", ("1.1.1.1", 53))]
+targets = [("beyond this machine", ("192.0.2.1", 80))]  # TEST-NET-1: routable nowhere, never answered
 if os.path.exists("{LISTENER_FILE}"):
     targets.append(("the grader's loopback", ("127.0.0.1", int(open("{LISTENER_FILE}").read()))))
 for what, address in targets:
     try:
-        socket.create_connection(address, timeout=5).close()
+        socket.create_connection(address, timeout=2).close()
         print(f"hostile connect {{what}}: done")
     except OSError as exc:
         print(f"hostile connect {{what}}: failed ({{type(exc).__name__}})")

@@ -14,6 +14,7 @@ import time
 import uuid
 from pathlib import Path
 
+import psutil
 from nbgrader.api import Gradebook
 from nbgrader.converters import GenerateAssignment
 
@@ -113,7 +114,7 @@ def grade(submissions, lessons=None, students=None, course_dir=ROOT, out=None, j
     echo(f"grading {len(todo)} notebook(s) of {len({s for s, _ in todo})} student(s), lessons "
          f"{', '.join(graded_lessons) or '(none)'}; {jobs} at a time")
     was_subreaper = set_subreaper()  # a grader killed mid-notebook leaves its orphans to us
-    elders = {p.pid for p in _children()}  # this process's own children from before: not ours to kill
+    elders = {p.pid for p in psutil.Process().children()}  # this process's own children from before: not ours to kill
     results, running, alone = {}, [], []
     try:
         while pending or running or alone:
@@ -134,12 +135,14 @@ def grade(submissions, lessons=None, students=None, course_dir=ROOT, out=None, j
                 strays = kill_tagged(job.tag)
                 strays += kill_descendants(keep={j.pid for j in running} | elders)
                 changed = baseline.changes()
+                if changed and job.overlapped:  # who did it? each suspect again, alone
+                    _regrade_alone([job] + running, alone, echo, changed)
+                    running.clear()
+                    kill_descendants(keep=elders)  # their kernels too, before putting the files back
+                    baseline.restore()
+                    break  # the others in this sweep were among the suspects
                 if changed:
                     baseline.restore()
-                    if job.overlapped:  # who did it? each suspect alone
-                        _regrade_alone([job] + running, alone, echo, changed)
-                        running.clear()
-                        continue
                     error = "modified the grader's files (put back): " + ", ".join(changed)
                 r = results[(job.student, job.lesson)] = finish(cfg, job, error, strays)
                 report(echo, len(results), len(todo), job, r)
@@ -160,14 +163,10 @@ def grade(submissions, lessons=None, students=None, course_dir=ROOT, out=None, j
     return results
 
 
-def _children():
-    import psutil
-
-    return psutil.Process().children()
-
-
 def _start_more(pending, running, alone, jobs, check_timeout, baseline, echo):
     """Start graders while there is room; a suspect runs only with nothing else running."""
+    if any(job.alone for job in running):
+        return
     if alone:
         if not running:
             job = alone.pop(0)
