@@ -31,6 +31,7 @@ class GradingKernelManager(AsyncKernelManager):
     wall = Any(None, help="sandbox.Wall, or None for --no-sandbox")
     workdir = Unicode(help="where the kernel runs: the working copy of the notebook's folder")
     socket_dir = Unicode(help="behind the wall: where the kernel's unix sockets and connection file go")
+    _kernel_argv = None  # the command line of the kernel itself, once launched
 
     async def _async_pre_start_kernel(self, **kw):
         if self.wall is not None:
@@ -53,6 +54,7 @@ class GradingKernelManager(AsyncKernelManager):
         # parent is bwrap's init (the wall's --die-with-parent does that job there)
         env.pop("JPY_PARENT_PID", None)
         kw["cwd"] = self.workdir
+        self._kernel_argv = list(kernel_cmd)
         if self.wall is None:
             kw["env"] = env
         else:
@@ -71,15 +73,16 @@ class GradingKernelManager(AsyncKernelManager):
     def kernel_pid(self):
         """The pid (as the grader sees it) of the Python process running the notebook, or None.
 
-        Behind the wall the process nbclient started is bwrap; the kernel is the first process
-        below it that runs ipykernel.
+        Behind the wall the process nbclient started is bwrap, which starts another bwrap (the
+        PID namespace's init; its command line holds the kernel's too); the kernel is the process
+        below them whose command line is exactly the one launched.
         """
         pid = getattr(self.provisioner, "pid", None)
-        if pid is None or self.wall is None:
-            return pid
+        if pid is None or self.wall is None or self._kernel_argv is None:
+            return pid if self.wall is None else None
         try:
             for p in psutil.Process(pid).children(recursive=True):
-                if "ipykernel_launcher" in p.cmdline():
+                if p.cmdline() == self._kernel_argv:
                     return p.pid
         except psutil.Error:
             pass
