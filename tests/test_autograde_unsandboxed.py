@@ -11,7 +11,7 @@ what their writes reach is the copy, never this checkout. Then:
 - the one that kills its grader's process group and parent takes that grader down: it
   scores 0 with that reason, and the run goes on;
 - the detached process it started (its own session, an empty environment) does not
-  survive: the subreaper adopted it;
+  survive: the subreaper adopted it; no temporary file of the run is left either;
 - the copy's files are exactly the checkout's again, and the checkout never changed.
 """
 
@@ -48,12 +48,15 @@ def unsandboxed(tmp_path_factory):
     for student in HOSTILE:
         shutil.copytree(root / "all" / student, root / "submitted" / student)
     before = checkout_state()
+    tmp = root / "tmp"  # every temporary file of the run goes here, to be looked for afterwards
+    tmp.mkdir()
     done = subprocess.run(
         [sys.executable, "-m", "zerokit.grading.autograde", str(root / "submitted"), "--course-dir",
          str(root / "course"), "--no-sandbox", "--jobs=2", "--check-timeout=30", "--cell-timeout=40"],
-        cwd=copy, env={**os.environ, "PYTHONPATH": str(copy)}, capture_output=True, text=True, timeout=840)
+        cwd=copy, env={**os.environ, "PYTHONPATH": str(copy), "TMPDIR": str(tmp)}, capture_output=True, text=True,
+        timeout=840)
     print(done.stdout, done.stderr)
-    return SimpleNamespace(root=root, copy=copy, done=done, lines=done.stdout.splitlines(), before=before)
+    return SimpleNamespace(root=root, copy=copy, tmp=tmp, done=done, lines=done.stdout.splitlines(), before=before)
 
 
 def _line(unsandboxed, student):
@@ -96,6 +99,10 @@ def test_nothing_the_notebooks_started_survives(unsandboxed):
     survivors = [p.pid for p in psutil.process_iter(["cmdline"])
                  if hostile.DETACHED_MARKER in " ".join(p.info["cmdline"] or [])]
     assert survivors == []
+    # nor their temporary files, nor the scratch folders of the graders they killed (torch keeps a
+    # cache of its own there, torchinductor_<user>, meant to persist)
+    left = sorted(p.name for p in unsandboxed.tmp.iterdir() if not p.name.startswith("torchinductor_"))
+    assert left == []
 
 
 def test_the_checkout_never_changed(unsandboxed):

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -58,9 +60,14 @@ class Job:
         self.overlapped = False  # another notebook was being graded at some time while this one was
         self.alone = False  # graded with nothing else running (after the grader's files were found changed)
 
-    def start(self, check_timeout):
+    def start(self, check_timeout, scratch_root):
+        """Fork the grader. Its temporary files (the kernel's scratch folder among them) go in a
+        folder of its own under `scratch_root`, which cleanup() removes even if the grader was killed."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         Path(self.spec["result"]).unlink(missing_ok=True)
+        # no names in the path: the kernel's unix sockets live below it, and those paths are
+        # limited to 107 bytes
+        self.scratch = tempfile.mkdtemp(dir=scratch_root)
         sys.stdout.flush()
         sys.stderr.flush()
         self.started = time.monotonic()
@@ -71,6 +78,7 @@ class Job:
         try:  # the child: never returns into the caller's code
             os.setsid()
             set_subreaper()
+            tempfile.tempdir = self.scratch
             threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
             fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             os.dup2(fd, 1)
@@ -94,6 +102,11 @@ class Job:
                 sys.stdout.flush()
                 sys.stderr.flush()
                 os._exit(code)
+
+    def cleanup(self):
+        """Remove the grader's temporary folder (once it has stopped)."""
+        if getattr(self, "scratch", None):
+            shutil.rmtree(self.scratch, ignore_errors=True)
 
     def reset(self):
         """Ready to be started again (graded again alone, see pool.py)."""

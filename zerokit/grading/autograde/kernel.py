@@ -30,15 +30,17 @@ class GradingKernelManager(AsyncKernelManager):
 
     wall = Any(None, help="sandbox.Wall, or None for --no-sandbox")
     workdir = Unicode(help="where the kernel runs: the working copy of the notebook's folder")
-    socket_dir = Unicode(help="behind the wall: where the kernel's unix sockets and connection file go")
+    socket_dir = Unicode(help="where the connection file (and behind the wall the unix sockets) go")
     _kernel_argv = None  # the command line of the kernel itself, once launched
 
     async def _async_pre_start_kernel(self, **kw):
+        # in the scratch folder, not jupyter's runtime folder: it goes with the scratch folder, even
+        # when the grader is killed
+        self.connection_file = os.path.join(self.socket_dir, "kernel.json")
         if self.wall is not None:
             self.transport = "ipc"
             self.cache_ports = False  # LocalPortCache binds TCP ports; ipc ports are file names
-            self.connection_file = os.path.join(self.socket_dir, "kernel.json")
-            self.ip = os.path.join(self.socket_dir, "kernel")
+            self.ip = os.path.join(self.socket_dir, "k")  # sockets k-<port>: a unix socket path has 107 bytes
         return await super()._async_pre_start_kernel(**kw)
 
     def format_kernel_cmd(self, extra_arguments=None):

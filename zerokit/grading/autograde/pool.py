@@ -10,6 +10,8 @@ notebooks being graded then is graded again alone, so that the one that did it i
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -113,12 +115,13 @@ def grade(submissions, lessons=None, students=None, course_dir=ROOT, out=None, j
         echo(f"nbgrader's own commands work in {course_dir} (wrote {written.name} there)")
     echo(f"grading {len(todo)} notebook(s) of {len({s for s, _ in todo})} student(s), lessons "
          f"{', '.join(graded_lessons) or '(none)'}; {jobs} at a time")
+    scratch_root = tempfile.mkdtemp(prefix="zerokit-grading-run-")  # each grader's temporary files, below
     was_subreaper = set_subreaper()  # a grader killed mid-notebook leaves its orphans to us
     elders = {p.pid for p in psutil.Process().children()}  # this process's own children from before: not ours to kill
     results, running, alone = {}, [], []
     try:
         while pending or running or alone:
-            _start_more(pending, running, alone, jobs, check_timeout, baseline, echo)
+            _start_more(pending, running, alone, jobs, check_timeout, baseline, echo, scratch_root)
             time.sleep(0.1)
             for job in list(running):
                 overdue = time.monotonic() - job.started > notebook_timeout
@@ -134,6 +137,7 @@ def grade(submissions, lessons=None, students=None, course_dir=ROOT, out=None, j
                              "code; nothing it computed can be trusted")
                 strays = kill_tagged(job.tag)
                 strays += kill_descendants(keep={j.pid for j in running} | elders)
+                job.cleanup()
                 changed = baseline.changes()
                 if changed and job.overlapped:  # who did it? each suspect again, alone
                     _regrade_alone([job] + running, alone, echo, changed)
@@ -154,6 +158,7 @@ def grade(submissions, lessons=None, students=None, course_dir=ROOT, out=None, j
             echo(f"killed {len(leftover)} leftover grading process(es)")
         if not was_subreaper:
             set_subreaper(False)
+        shutil.rmtree(scratch_root, ignore_errors=True)
         changed = baseline.changes()
         if changed:  # e.g. interrupted while a suspect was running
             baseline.restore()
@@ -163,7 +168,7 @@ def grade(submissions, lessons=None, students=None, course_dir=ROOT, out=None, j
     return results
 
 
-def _start_more(pending, running, alone, jobs, check_timeout, baseline, echo):
+def _start_more(pending, running, alone, jobs, check_timeout, baseline, echo, scratch_root):
     """Start graders while there is room; a suspect runs only with nothing else running."""
     if any(job.alone for job in running):
         return
@@ -172,7 +177,7 @@ def _start_more(pending, running, alone, jobs, check_timeout, baseline, echo):
             job = alone.pop(0)
             job.alone = True
             running.append(job)
-            job.start(check_timeout)
+            job.start(check_timeout, scratch_root)
         return
     while pending and len(running) < jobs:
         changed = baseline.changes()  # before each notebook too: a running one may have changed them
@@ -187,13 +192,14 @@ def _start_more(pending, running, alone, jobs, check_timeout, baseline, echo):
             for other in running:
                 other.overlapped = True
         running.append(job)
-        job.start(check_timeout)
+        job.start(check_timeout, scratch_root)
 
 
 def _regrade_alone(suspects, alone, echo, changed):
     for job in suspects:
         job.kill()
         kill_tagged(job.tag)
+        job.cleanup()
         job.reset()
         alone.append(job)
     echo(f"the grader's files were changed ({', '.join(changed)}) while {len(suspects)} notebook(s) were being "
