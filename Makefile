@@ -11,20 +11,25 @@ VENV        ?= .venv
 TORCH_SPEC  ?= torch==2.13.0
 TORCH_INDEX ?=
 PORT        ?= 8888
-# make grade SUBMISSIONS=path/to/submitted LESSON=03_zero1
+# make grade SUBMISSIONS=path/to/submitted LESSON=03_zero1 [NO_SANDBOX=1]
 SUBMISSIONS ?= submitted
 LESSON      ?=
+NO_SANDBOX  ?=
 PYTEST_ARGS ?=
 
 # the browser test (tests/test_browser.py) drives the system's Chromium
 CHROMIUM    ?= /usr/bin/chromium
 
 BIN   := $(VENV)/bin
-STAMP := $(VENV)/.zerokit-installed
-# one stamp per torch choice: changing TORCH_SPEC or TORCH_INDEX installs again
-TORCH_STAMP := $(VENV)/.torch-$(shell printf '%s' '$(TORCH_SPEC) $(TORCH_INDEX)' | cksum | cut -d' ' -f1)
+# Stamps are named by content, not compared by file times (a fresh clone's files are all new):
+# one per torch choice (changing TORCH_SPEC or TORCH_INDEX installs again), and one per
+# pyproject.toml and checkout (new dependencies, or a venv shared with another clone whose
+# editable install points there, install again).
+checksum = $(shell printf '%s' $(1) | cksum | cut -d' ' -f1)
+TORCH_STAMP := $(VENV)/.torch-$(call checksum,'$(TORCH_SPEC) $(TORCH_INDEX)')
+STAMP := $(VENV)/.zerokit-$(shell cksum < pyproject.toml | cut -d' ' -f1)-$(call checksum,'$(CURDIR)')
 
-.PHONY: setup lab demo test lessons grade bench clean help
+.PHONY: setup sandbox lab demo test lessons grade grades-csv bench clean help
 
 help:
 	@echo "make lab      install (first time) and start JupyterLab on lessons/"
@@ -32,7 +37,8 @@ help:
 	@echo "make demo     a one-minute headless tour: memory and communication, measured"
 	@echo "make bench    zerokit against PyTorch's own ZeRO implementations"
 	@echo "make lessons  regenerate lessons/ from solutions/ (nbgrader)"
-	@echo "make grade    autograde $(SUBMISSIONS)/<student>/<lesson>/ (nbgrader)"
+	@echo "make grade    autograde $(SUBMISSIONS)/<student>/<lesson>/ (nbgrader), each notebook behind bubblewrap"
+	@echo "make grades-csv  rewrite grades.csv from gradebook.db (e.g. after grading by hand in the formgrader)"
 	@echo "make setup    only install into $(VENV)"
 	@echo "make clean    remove .venv (never a VENV outside the repo) and generated files"
 
@@ -42,9 +48,9 @@ $(TORCH_STAMP):
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	@rm -f $(VENV)/.torch-* && touch $@
 
-$(STAMP): pyproject.toml $(TORCH_STAMP)
+$(STAMP): $(TORCH_STAMP)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e ".[course,test,dev]"
-	@touch $@
+	@rm -f $(VENV)/.zerokit-* && touch $@
 
 setup: $(STAMP)
 
@@ -62,20 +68,36 @@ $(CHROMIUM):
 # JupyterLab refuses to run as root unless told (a container's user often is root)
 ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
 
+# Grading runs each notebook behind bubblewrap (Debian package bubblewrap), and `make test`
+# grades example submissions: installed here when missing and we are root, else say how.
+sandbox:
+	@command -v bwrap >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing bubblewrap (grading runs each notebook behind it)"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null; \
+	  else \
+	    echo "bubblewrap is missing; install it with:  sudo apt-get install bubblewrap"; exit 1; \
+	  fi; }
+
 lab: setup
 	$(BIN)/jupyter lab --ServerApp.root_dir=lessons --port=$(PORT) $(ALLOW_ROOT)
 
 demo: setup
 	$(BIN)/python -m zerokit.bench.demo
 
-test: setup $(CHROMIUM)
+test: setup sandbox $(CHROMIUM)
 	ZEROKIT_CHROMIUM=$(CHROMIUM) $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 lessons: setup
 	$(BIN)/python -m zerokit.grading.lessons generate
 
-grade: setup
-	$(BIN)/python -m zerokit.grading.autograde $(SUBMISSIONS) $(if $(LESSON),--lesson $(LESSON))
+# NO_SANDBOX=1 grades without bubblewrap: an explicit choice (see README, Grading)
+grade: setup $(if $(NO_SANDBOX),,sandbox)
+	$(BIN)/python -m zerokit.grading.autograde $(SUBMISSIONS) $(if $(LESSON),--lesson $(LESSON)) \
+	  $(if $(NO_SANDBOX),--no-sandbox)
+
+grades-csv: setup
+	$(BIN)/python -m zerokit.grading.autograde --csv-only
 
 bench: setup
 	$(BIN)/python -m zerokit.bench

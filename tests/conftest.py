@@ -7,6 +7,9 @@ starts in ~0.1 s) and a timeout, so a deadlock fails the test instead of hanging
 """
 
 import json
+import os
+import subprocess
+import sys
 import types
 from pathlib import Path
 
@@ -163,6 +166,27 @@ def outcome(check, cls, capsys, **kw):
     return None
 
 
+# ---- the grading flow's tests: real nbgrader commands, and what grading must leave alone
+
+
+def nbgrader(*args, cwd):
+    """A real nbgrader command run in `cwd` (a course folder); its CompletedProcess."""
+    env = {**os.environ, "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]])}
+    return subprocess.run([sys.executable, "-m", "nbgrader", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+def checkout_state():
+    """What grading must not change: the grader's files byte for byte (zerokit, solutions/,
+    lessons/, the nbgrader config, site-packages' startup hooks), and git's view of the checkout."""
+    from zerokit.grading.autograde.integrity import Baseline, course_files  # here: it imports nbgrader
+
+    files = Baseline(*course_files()).contents
+    status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=ROOT,
+                            capture_output=True, text=True).stdout if (ROOT / ".git").exists() else None
+    return files, status
+
+
 __all__ = ["LAUNCH_TIMEOUT", "run_ranks", "new_model", "batch", "rank_slice", "snapshot", "max_diff",
            "adamw_reference", "ceil_div", "num_trainable", "close_rel", "exercise_module", "source_module", "fails", "outcome",
-           "UNFINISHED", "fails_exactly", "fails_every_check"]
+           "UNFINISHED", "fails_exactly", "fails_every_check", "nbgrader", "checkout_state"]

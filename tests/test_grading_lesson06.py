@@ -17,6 +17,7 @@ with a message naming the problem, and pass the others: one bug costs its own po
 | master copied after the cast to 16 bits | numerics | "hold the weights rounded to" |
 | frozen parameters left in fp32 | numerics | "frozen ones too" |
 | optimizer steps on an overflow step | overflow step | "nothing may change" |
+| skips, but counts the skipped step (t) | overflow step | "must leave no trace" |
 | the untouched student notebook | every check | "NotImplementedError" |
 """
 
@@ -138,15 +139,18 @@ class HalfMasters(Optimizer):
         self.exp_avg_sqs = [torch.zeros_like(m) for m in self.masters]
 
 
-def _step(self, on_half=False, ignore_skip=False):
+def _step(self, on_half=False, ignore_skip=False, count_skipped=False):
     group = self.param_groups[0]
     with_grad = [i for i, p in enumerate(self.params) if p.grad is not None]
     for i in with_grad:
         dist.all_reduce(self.params[i].grad, op=dist.ReduceOp.AVG)
     grads = self.scaler.unscale([self.params[i].grad for i in with_grad])
+    if count_skipped:
+        self.steps += 1  # BUG: counted before the verdict, so a skipped step still advances t
     if not self.scaler.update() and not ignore_skip:
         return None
-    self.steps += 1
+    if not count_skipped:
+        self.steps += 1
     for i, grad in zip(with_grad, grads):
         target = self.params[i].data if on_half else self.masters[i]
         adamw_update_(target, grad, self.exp_avgs[i], self.exp_avg_sqs[i], self.steps, lr=group["lr"],
@@ -180,6 +184,11 @@ class StepsAnyway(Optimizer):
     step = torch.no_grad()(lambda self, closure=None: _step(self, ignore_skip=True))  # BUG: ignores the verdict
 
 
+class CountsSkippedSteps(Optimizer):
+    # BUG: the skipped step leaves nothing changed at that step, but t advanced: every later step is off
+    step = torch.no_grad()(lambda self, closure=None: _step(self, count_skipped=True))
+
+
 DEFECTS = {  # class -> {check that must fail: message fragment}; the exercise's other checks must pass
     MultipliesByScale: {"unscale": "times the scale"},
     DividesInHalf: {"unscale": "divided in float16"},
@@ -192,6 +201,7 @@ DEFECTS = {  # class -> {check that must fail: message fragment}; the exercise's
     MastersAfterCast: {"numerics": "hold the weights rounded to"},
     FrozenLeftFp32: {"numerics": "frozen ones too"},
     StepsAnyway: {"overflow_step": "nothing may change"},
+    CountsSkippedSteps: {"overflow_step": "must leave no trace"},
 }
 
 
@@ -214,3 +224,5 @@ def test_hidden_configurations_catch_the_same_bugs():
           match="hold the weights rounded to")
     fails(lesson06.check_overflow_step, StepsAnyway, world_size=3, model="transformer", inject_at=2,
           match="nothing may change")
+    fails(lesson06.check_overflow_step, CountsSkippedSteps, world_size=3, model="transformer", inject_at=2,
+          match="must leave no trace")

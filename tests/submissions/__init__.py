@@ -43,7 +43,9 @@ class Student:
     reason: str = ""  # a fragment of the one-line reason every failed test cell must show
     cells: dict = field(default_factory=dict)  # grade_id -> new source, SOLUTION, or solution_with(...)
     before: dict = field(default_factory=dict)  # grade_id -> source of a new cell inserted before it
+    after: dict = field(default_factory=dict)  # grade_id -> source of a new cell inserted after it
     delete: tuple = ()  # grade_ids of cells removed
+    files: dict = field(default_factory=dict)  # path beside the notebook -> text: other files submitted
     raw: str | None = None  # the file's whole content instead of a notebook
     full: bool = False  # keep every cell; otherwise only the lesson's KEEP cells besides graded ones
 
@@ -119,7 +121,7 @@ def notebook(lesson, student, keep=()):
     """The submission of `student` for `lesson`, as a notebook dict."""
     nb = json.loads((ROOT / "lessons" / lesson / f"{lesson}.ipynb").read_text())
     solutions = _solution_sources(lesson)
-    unknown = (set(student.cells) | set(student.before) | set(student.delete)) - {
+    unknown = (set(student.cells) | set(student.before) | set(student.after) | set(student.delete)) - {
         c.get("metadata", {}).get("nbgrader", {}).get("grade_id") for c in nb["cells"]}
     if unknown:
         raise KeyError(f"{student.id}: no cell {sorted(unknown)} in lessons/{lesson}")
@@ -142,6 +144,8 @@ def notebook(lesson, student, keep=()):
                 new = new(solutions[gid])
             cell["source"] = new.splitlines(keepends=True)
         cells.append(cell)
+        if gid in student.after:
+            cells.append(_code_cell(student.after[gid]))
     nb["cells"] = cells
     return nb
 
@@ -159,5 +163,8 @@ def build(dest, lessons=None):
                 path.write_text(student.raw)
             else:
                 path.write_text(json.dumps(notebook(lesson, student, mod.KEEP), indent=1, ensure_ascii=False) + "\n")
+            for name, text in student.files.items():
+                (path.parent / name).parent.mkdir(parents=True, exist_ok=True)
+                (path.parent / name).write_text(text)
         built[lesson] = list(mod.STUDENTS)
     return built

@@ -5,7 +5,7 @@ the sum (not the volume) must cost only test_my_all_reduce's 3 points. Every def
 answers the questions right (ANSWERED), so that only its defect costs points.
 """
 
-from . import SOLUTION, Student, correct, full_marks, untouched
+from . import SOLUTION, Student, correct, full_marks, hostile, untouched
 
 LESSON = "00_collectives"
 # The demo cells the exercises need (imports, the launcher choice); the rest are left out
@@ -13,6 +13,7 @@ LESSON = "00_collectives"
 KEEP = ("import zerokit", 'os.environ["ZEROKIT_LAUNCHER"]')
 
 FULL = full_marks(LESSON)
+DUE_DATE, LATE_TIMESTAMP = "2026-01-01 10:00:00 UTC", "2026-01-01 12:00:00.000000 UTC"
 ZERO = dict.fromkeys(FULL, 0)
 EXERCISES_ZERO = {**ZERO, "test_questions": FULL["test_questions"]}  # the exercise cells fail, the answers are right
 VOLUME_ONLY = {**EXERCISES_ZERO, "test_same_volume": 2}
@@ -122,4 +123,20 @@ STUDENTS = [
             cells={"my_all_reduce": SOLUTION, "answers": WRONG_ANSWERS}),
     Student("corrupt_file", "the .ipynb is not valid JSON", ZERO,
             reason="the file is not a notebook (not valid JSON)", raw='{"cells": [ this is not JSON\n'),
+    # Submissions that attack the grader (hostile.py): behind the wall every attempt fails and the
+    # student gets what the code is worth; tests/test_autograde.py reads each attempt's outcome.
+    Student("hostile_writes", "sums wrong, and rewrites the checks' comparison, solutions/ and lessons/; "
+            "reads solutions/", VOLUME_ONLY, reason="differs on rank",
+            cells={"my_all_reduce": MEAN}, before={"test_my_all_reduce": hostile.WRITES}),
+    Student("hostile_processes", "right, but starts a detached process with an empty environment, connects "
+            "out, kills its grader's process group and parent; a plain folder named zerokit beside it", FULL,
+            cells={"my_all_reduce": SOLUTION}, before={"test_my_all_reduce": hostile.PROCESSES},
+            after={"test_same_volume": hostile.KILL_GRADER},
+            files={"zerokit/NOTES.md": "my notes on the course (a plain folder, not a package)\n"}),
+    Student("planted_zerokit", "sums wrong, with a copy of zerokit beside the notebook whose assert_close "
+            "never fails", VOLUME_ONLY, reason="differs on rank",
+            cells={"my_all_reduce": MEAN}, files=hostile.planted_zerokit()),
+    # Late: nbgrader's timestamp.txt, 2 h after the due date the test sets (none is set otherwise).
+    Student("late", "right, submitted 2 h after the due date", FULL, cells={"my_all_reduce": SOLUTION},
+            files={"timestamp.txt": LATE_TIMESTAMP}),
 ]

@@ -108,6 +108,16 @@ _TRAINABLE_ONLY = """        for p in self.params:  # BUG: the frozen parameters
             p.data = p.data.to(dtype)
 """
 
+# Skips the overflow step, but counts it: self.steps advances before the verdict. Nothing changes
+# on the skipped step itself; every later step's bias correction uses a t one too large.
+COUNTS_SKIPPED = solution_with("""        if not self.scaler.update():
+            return None  # an inf or nan on some rank: every rank skips
+        self.steps += 1
+""", """        self.steps += 1  # BUG: counted before the verdict
+        if not self.scaler.update():
+            return None
+""")
+
 STUDENTS = [
     correct(LESSON, "loss_scaler", "master_adam", "understanding"),
     untouched(LESSON, "still the stub"),
@@ -129,4 +139,7 @@ STUDENTS = [
             "0.001953125)", {**FULL, "test_understanding": 0}, reason="bf16_spacing (you gave 0.002)",
             cells={"loss_scaler": SOLUTION, "master_adam": SOLUTION,
                    "understanding": solution_with('"bf16_spacing": 2.0**-9,', '"bf16_spacing": 0.002,')}),
+    Student("counts_skipped_step", "skips the overflow step but still advances the step count t",
+            {**FULL, "test_overflow_step": 0}, reason="must leave no trace",
+            cells={"loss_scaler": SOLUTION, "master_adam": COUNTS_SKIPPED, "understanding": SOLUTION}),
 ]

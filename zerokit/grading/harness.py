@@ -22,17 +22,20 @@ forms: the module attributes, and the code of torch's Python implementations the
 are replaced by tripwires, so a "hand-written" optimizer that calls them fails; and what a
 check relies on (the check modules' and zerokit's module globals, torch's functions and
 torch.Tensor's methods) is snapshotted before the student's code runs and verified
-afterwards, so monkeypatching it fails too.
+afterwards, so monkeypatching it fails too. The modules it runs on must be the installed
+files (origins.py): a package planted beside the notebook fails the check, with its name.
 """
 
 import contextlib
 import io
 import os
+import tempfile
 import warnings
 
 import torch
 
 from ..launcher import LaunchError, LaunchTimeout, launch
+from . import origins
 
 __all__ = ["CheckFailed", "run_on_ranks", "passed", "torch_adam_allowed", "GUARDED", "TIMEOUT_ENV"]
 
@@ -229,7 +232,15 @@ def _replaced(snapshot):
     return names
 
 
+def _installed_only():
+    """CheckFailed if a module the check runs on (zerokit, torch, ...) was not loaded from its installed files."""
+    planted = origins.planted_modules()
+    if planted:
+        raise CheckFailed(origins.describe(planted))
+
+
 def _guarded(rank, world_size, check, args, forbid_adam):
+    _installed_only()  # what unpickling the check imported
     originals = [(obj, name, getattr(obj, name)) for obj, name in GUARDED]
     snapshot = _snapshot()
     before = _adam_now()
@@ -245,6 +256,7 @@ def _guarded(rank, world_size, check, args, forbid_adam):
     tampered += [name for name in _replaced(snapshot) if name not in tampered]
     if tampered:
         raise CheckFailed(f"your code replaced {', '.join(tampered)}: checks must run on the real functions")
+    _installed_only()  # and what the check and the student's code imported since
     return result
 
 
@@ -265,9 +277,10 @@ def run_on_ranks(check, world_size, args=(), *, timeout=60.0, memory_limit_gb=4.
     with warnings.catch_warnings(record=True) as caught, _stdout_only():
         warnings.simplefilter("always")
         try:
+            # cwd: the ranks work outside the notebook's folder (-P keeps it off their sys.path too)
             results = launch(_guarded, world_size, args=(check, tuple(args), forbid_adam),
                              launcher="forkserver", backend="gloo", timeout=timeout,
-                             memory_limit_gb=memory_limit_gb)
+                             memory_limit_gb=memory_limit_gb, cwd=tempfile.gettempdir())
         except LaunchTimeout as exc:
             raise CheckFailed(f"{what} did not finish within {timeout:g} s (a deadlock or an endless loop?): "
                               + _per_rank(exc) + "\n" + _indent(str(exc))) from None

@@ -16,7 +16,10 @@ AdamW with 16-bit weights and gradients, fp32 master weights, m and v). One ques
                                   torch.optim.AdamW in fp32 fed the same (unscaled, mean) gradient;
                                   the model's weights 16-bit and equal to the masters rounded
     check_overflow_step(opt_cls)  an inf in one rank's gradient at one step: nothing changes on any
-                                  rank in that step, the scale halves, the other steps do update
+                                  rank in that step, the scale halves, the other steps do update,
+                                  and every step after the skipped one is what the same optimizer
+                                  computes when that step never happened (no step count, m or v
+                                  advanced by the skip)
 
 The optimizer checks hand the optimizer zerokit's own scaler (`ReferenceScaler`, the same
 interface as the exercise), so a wrong scaler costs the scaler's points only.
@@ -26,6 +29,15 @@ initial weights, fed exactly the gradient the student's step sees: the check rep
 scaffold's all-reduce on copies of the 16-bit gradients and divides by the loss scale.
 The harness's tripwires on torch's Adam are lifted (harness.torch_adam_allowed) only while
 the reference steps.
+
+The aftermath of a skipped step. A skip is a special path, and what follows it must be
+compared too: an optimizer that counts the skipped step (t advances, so the bias correction
+of every later step is off), or moves anything else, is right on the skipped step itself.
+check_overflow_step therefore trains a twin first: the same class, model, data and scaler,
+without the poisoned step at all (AdamW that skipped it, as the student wrote AdamW), and
+compares every step after the skip with it. Against the student's own update rule, not
+torch's: a wrong update is check_numerics' point, and costs its points only; here any
+difference is the skip's doing.
 """
 
 import torch
@@ -310,7 +322,7 @@ def _state(opt, attr, i, name):
 
 def _train_case(rank, world_size, cls, name, dtype, steps, inject_at):
     dtype = as_dtype(dtype)
-    compare = inject_at is None  # numerics; otherwise the skipped step alone
+    compare = inject_at is None  # numerics; otherwise the skipped step and its aftermath (the twin)
     model = build_model(name)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     params = [p for _, p in named]
@@ -325,6 +337,7 @@ def _train_case(rank, world_size, cls, name, dtype, steps, inject_at):
                              "scaffold)")
     if compare:
         _check_built(opt, model, named, ref_params, dtype)
+    twin = None if compare else _twin(rank, world_size, cls, name, dtype, steps, inject_at)
     for step in range(steps):
         x, y = rank_batch(name, step, GLOBAL_BATCH, rank, world_size)
         if x.is_floating_point():
@@ -371,6 +384,8 @@ def _train_case(rank, world_size, cls, name, dtype, steps, inject_at):
             elif not changed:
                 raise AssertionError(f"{when}: no inf or nan on any rank, yet no parameter changed on rank {rank}: "
                                      "step when self.scaler.update() returns True")
+            elif step > inject_at:
+                _same_as_twin(opt, named, twin[step], step, inject_at)
             continue
         if overflow:
             raise AssertionError(f"{when}: the gradient overflowed without an injected inf (the check's data should "
@@ -422,6 +437,51 @@ def _check_built(opt, model, named, initial, dtype):
                 "parameter 16-bit: a master is the one place the bits the 16-bit type rounds away survive")
 
 
+def _twin(rank, world_size, cls, name, dtype, steps, skipped):
+    """What the student's optimizer holds after each step when step `skipped` never happens:
+    [(parameters, _held_state) or None for the skipped step]."""
+    model = build_model(name)
+    params = [p for p in model.parameters() if p.requires_grad]
+    fp16 = dtype == torch.float16
+    scaler = ReferenceScaler(init_scale=2.0**10 if fp16 else 1.0, growth_factor=2.0 if fp16 else 1.0,
+                             growth_interval=1000)
+    opt = cls(model.parameters(), dtype=dtype, scaler=scaler, **HYPER)
+    out = []
+    for step in range(steps):
+        if step == skipped:  # not a skipped step: no step at all, as if that batch never came
+            out.append(None)
+            continue
+        x, y = rank_batch(name, step, GLOBAL_BATCH, rank, world_size)
+        if x.is_floating_point():
+            x = x.to(params[0].dtype)
+        opt.scale_loss(model_loss(name, model(x).float(), y)).backward()
+        opt.step()
+        opt.zero_grad()
+        out.append(([p.detach().clone() for p in params], _held_state(opt)))
+    return out
+
+
+def _same_as_twin(opt, named, record, step, skipped):
+    """After step `step` (> skipped), the weights, masters, m and v are what the twin (trained without
+    the skipped step) holds after the same step."""
+    twin_params, twin_state = record
+    when = f"after step {step + 1} (step {skipped + 1} was skipped: an inf in its gradient)"
+    why = (f": a skipped step must leave no trace, and your optimizer differs from the same optimizer trained "
+           f"without step {skipped + 1} at all. Return from step() before changing anything when "
+           "self.scaler.update() returns False: not the weights, masters, m or v, and not the step count t "
+           "(m̂ = m / (1 - β1**t) of every later step depends on it)")
+    try:
+        for (n, p), expected in zip(named, twin_params):
+            assert_close(p.detach(), expected, f"parameter {n} {when}")
+        for attr, i, expected in twin_state:
+            seq = getattr(opt, attr, None)
+            got = seq[i] if isinstance(seq, (list, tuple)) and i < len(seq) else None
+            assert_close(got, expected, f"self.{attr}[{i}] {when}",
+                         atol=1e-5 * float(expected.abs().max()) + 1e-12, rtol=1e-4)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}{why}") from None
+
+
 def _held_state(opt):
     """(attr, index, copy) of every tensor in the optimizer's state lists, whatever their dtype."""
     out = []
@@ -448,14 +508,15 @@ def check_numerics(cls, world_size=2, model="mlp", dtype="bf16", steps=4, timeou
 
 def check_overflow_step(cls, world_size=2, model="mlp", dtype="fp16", steps=4, inject_at=1, timeout=60.0):
     """An inf in the last rank's gradient at step inject_at + 1: no weight, master, m or v changes on any rank
-    in that step, update() is called once (the scale halves), and the other steps do update."""
+    in that step, update() is called once (the scale halves), the other steps do update, and each step after
+    the skipped one leaves what the same optimizer holds when trained without that step."""
     __tracebackhide__ = True
     _check_optimizer_class(cls)
     psi = run_on_ranks(_train_case, world_size, args=(cls, model, dtype, steps, inject_at), timeout=timeout,
                        what=cls.__name__)[0]
     passed(f"{cls.__name__} on {world_size} ranks ({model}, Ψ = {psi}, {dtype}): an inf on rank {world_size - 1} "
            f"at step {inject_at + 1} skipped that step everywhere and halved the scale; the other {steps - 1} steps "
-           "updated")
+           "updated, those after it as if the skipped step never happened")
 
 
 check_master_update = alias(check_numerics, "check_master_update")

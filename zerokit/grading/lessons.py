@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SOLUTIONS = ROOT / "solutions"
 LESSONS = ROOT / "lessons"
 
-__all__ = ["lesson_ids", "generate", "drift"]
+__all__ = ["lesson_ids", "generate", "drift", "release_drift"]
 
 
 def lesson_ids():
@@ -54,6 +54,23 @@ def _cells(path):
     ]
 
 
+def _diff(a, b, lesson, fresh_label):
+    diff = difflib.unified_diff(
+        json.dumps(a, indent=1).splitlines(), json.dumps(b, indent=1).splitlines(),
+        f"lessons/{lesson} (committed)", f"lessons/{lesson} ({fresh_label})", lineterm="", n=2)
+    return "\n".join(list(diff)[:60])
+
+
+def release_drift(release_dir, lesson, released=LESSONS):
+    """"" if release_dir/<lesson> (just generated from solutions/) has the cells of the committed
+    lessons/<lesson> (`released`), what students received; else a diff of the two."""
+    committed = Path(released) / lesson / f"{lesson}.ipynb"
+    if not committed.exists():
+        return f"lessons/{lesson}/{lesson}.ipynb is missing: run `make lessons` (and release it) first"
+    a, b = _cells(committed), _cells(Path(release_dir) / lesson / f"{lesson}.ipynb")
+    return "" if a == b else _diff(a, b, lesson, "from solutions/ now")
+
+
 def drift():
     """Differences between lessons/ and what nbgrader makes of solutions/ now ([] if none)."""
     problems = []
@@ -67,10 +84,7 @@ def drift():
                 continue
             a, b = _cells(committed), _cells(fresh)
             if a != b:
-                diff = difflib.unified_diff(
-                    json.dumps(a, indent=1).splitlines(), json.dumps(b, indent=1).splitlines(),
-                    f"lessons/{lesson} (committed)", f"lessons/{lesson} (from solutions/)", lineterm="", n=2)
-                problems.append("\n".join(list(diff)[:60]))
+                problems.append(_diff(a, b, lesson, "from solutions/"))
         extra = {d.name for d in LESSONS.iterdir() if d.is_dir()} - set(lesson_ids()) if LESSONS.exists() else set()
         problems += [f"lessons/{e} has no source in solutions/" for e in sorted(extra)]
     return problems

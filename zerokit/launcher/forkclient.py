@@ -21,6 +21,10 @@ SERVER_MODULE = "zerokit.launcher.forkserver"
 # would only leave a notebook cell hanging without a word.
 READY_WITHIN = 90.0
 
+# Where the server (and so each rank, until it moves to the caller's folder to run fn) works:
+# a folder that exists everywhere, the grading sandbox included, and holds no one's modules.
+NEUTRAL_CWD = "/"
+
 # How much of the server's stderr an error message quotes.
 _TAIL_BYTES = 4000
 
@@ -37,8 +41,8 @@ class ForkServer:
         return self.process.pid
 
     @classmethod
-    def start(cls, command, env, ready_within=READY_WITHIN):
-        """Run `command` and wait for its "ready" line; RuntimeError, with its stderr, if none comes."""
+    def start(cls, command, env, ready_within=READY_WITHIN, cwd=None):
+        """Run `command` (in `cwd`) and wait for its "ready" line; RuntimeError, with its stderr, if none comes."""
         # Its stderr goes to a file, so that a server that fails can say why: not a pipe (no one
         # reads it while the server runs, and a full pipe would block the server), not
         # /dev/null. The file is unnamed: it vanishes with the last process holding it open,
@@ -47,7 +51,7 @@ class ForkServer:
         try:
             process = subprocess.Popen(
                 command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
-                env=env, text=True, start_new_session=True,
+                env=env, text=True, start_new_session=True, cwd=cwd,
             )
         except OSError as exc:
             stderr.close()
@@ -152,7 +156,11 @@ def server(pythonpath):
         dead = getattr(sys.modules["zerokit"], _HANDLE, None)
         if dead is not None:
             dead.stop()  # reaped already; this closes its pipes and stderr file
-        command = [sys.executable, "-m", SERVER_MODULE]
-        current = ForkServer.start(command, {**os.environ, "PYTHONPATH": pythonpath})
+        # Safe-path mode (-P) and a working directory of no one's: `-m` would otherwise put the
+        # caller's folder first on sys.path, and a package named zerokit (or torch) planted beside
+        # a notebook would be imported instead of the installed one, in the server and every rank.
+        command = [sys.executable, "-P", "-m", SERVER_MODULE]
+        env = {**os.environ, "PYTHONPATH": pythonpath, "PYTHONSAFEPATH": "1"}
+        current = ForkServer.start(command, env, cwd=NEUTRAL_CWD)
         setattr(sys.modules["zerokit"], _HANDLE, current)
     return current

@@ -39,12 +39,13 @@ class TorchrunJob:
 
     def __init__(self, run_dir, world_size, worker_env):
         self.run_dir, self.world_size = run_dir, world_size
-        self.env = {**os.environ, **worker_env}
+        self.env = {**os.environ, **worker_env}  # PYTHONSAFEPATH=1 among them: the ranks' -m too
         self.agent = None
 
     def start(self, ranks):
         cmd = [
-            sys.executable, "-m", "torch.distributed.run",
+            # -P and a neutral folder: see forkclient.server (a planted package must not shadow ours)
+            sys.executable, "-P", "-m", "torch.distributed.run",
             "--standalone", f"--nproc-per-node={self.world_size}", "--max-restarts=0",
             "--monitor-interval=0.1",
             "-m", "zerokit.launcher.worker", str(self.run_dir),
@@ -52,7 +53,7 @@ class TorchrunJob:
         with open(self.run_dir / "launcher.log", "wb") as log:
             try:
                 self.agent = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                              start_new_session=True)
+                                              start_new_session=True, cwd=forkclient.NEUTRAL_CWD)
             except OSError as exc:
                 raise LaunchError(f"torchrun could not be started: {exc}") from exc
 

@@ -52,6 +52,7 @@ def launch(
     memory_limit_gb: float | None = None,
     echo=True,
     env: dict | None = None,
+    cwd: str | None = None,
 ):
     """Run `fn(rank, world_size, *args)` on `world_size` ranks and return the list of results.
 
@@ -69,6 +70,7 @@ def launch(
     echo: print what the ranks print (on stdout, each line prefixed with its rank); or a
         function echo(rank, line) to hand each line to instead.
     env: extra environment variables for the workers.
+    cwd: the folder fn runs in (default: this process's current folder).
 
     Raises the exception a rank raised (the first, if several did), with the rank named
     in a note and the worker's traceback as its cause; LaunchTimeout if the job hangs;
@@ -89,9 +91,11 @@ def launch(
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
         "PYTHONUNBUFFERED": "1",
         "PYTHONPATH": pythonpath(),
+        # safe-path mode in every process the job starts: no folder of the caller's on sys.path
+        "PYTHONSAFEPATH": "1",
     }
     worker_env.update({k: str(v) for k, v in (env or {}).items()})
-    run_dir = _make_run_dir(fn, args, backend, timeout, worker_env)
+    run_dir = _make_run_dir(fn, args, backend, timeout, worker_env, os.path.abspath(cwd or os.getcwd()))
 
     ranks = [Rank(r, run_dir) for r in range(world_size)]
     job = JOBS[launcher](run_dir, world_size, worker_env)
@@ -120,7 +124,7 @@ def launch(
     raise report.crash_error(ranks, exit_codes, world_size, outputs, launcher, launcher_log)
 
 
-def _make_run_dir(fn, args, backend, timeout, worker_env):
+def _make_run_dir(fn, args, backend, timeout, worker_env, cwd):
     """A private folder holding everything a worker needs: settings, fn and args, environment."""
     run_dir = Path(tempfile.mkdtemp(prefix="zerokit-launch-"))
     meta = {
@@ -128,6 +132,7 @@ def _make_run_dir(fn, args, backend, timeout, worker_env):
         "timeout": timeout,
         "sys_path": [p for p in sys.path if p],
         "parent_pid": os.getpid(),
+        "cwd": cwd,
     }
     (run_dir / "meta.json").write_text(json.dumps(meta))
     try:

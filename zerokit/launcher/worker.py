@@ -5,6 +5,7 @@ rank<r>.pid (written first), rank<r>.out (stdout and stderr), rank<r>.stack (a s
 on SIGUSR1), rank<r>.result (("ok", value) or ("error", info), written last, atomically).
 """
 
+import contextlib
 import faulthandler
 import os
 import signal
@@ -95,11 +96,12 @@ def main(run_dir):
 
     import cloudpickle
 
-    # sys.path first: fn may refer to the caller's own modules (a test file, a package).
+    # The caller's sys.path after ours, not before: fn may refer to the caller's own modules (a
+    # test file, a package), but a name this process can import from its installed location
+    # (zerokit, torch, ...) must keep coming from there, not from a folder the caller added.
+    # Relative entries would depend on the working folder: left out.
     meta = json.loads((run_dir / "meta.json").read_text())
-    for p in reversed(meta["sys_path"]):
-        if p not in sys.path:
-            sys.path.insert(0, p)
+    sys.path.extend(p for p in meta["sys_path"] if os.path.isabs(p) and p not in sys.path)
     threading.Thread(target=_watch_parent, args=(meta["parent_pid"],), daemon=True).start()
 
     import torch
@@ -125,6 +127,9 @@ def main(run_dir):
         # collective call can finish and tear the group down while another is still joining,
         # and that rank then reports a hang in init_process_group (seen once in 12 runs).
         dist.barrier()
+        # the caller's folder (or the one it named): relative paths in fn mean what they mean there
+        with contextlib.suppress(OSError):
+            os.chdir(meta["cwd"])
         value = spec["fn"](rank, world_size, *spec["args"])
         result = ("ok", _to_cpu(value))
         ok = True

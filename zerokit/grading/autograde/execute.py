@@ -7,22 +7,30 @@ It replaces Execute in Autograde's preprocessors (course.py):
 - a kernel that dies (os._exit, a crash, over the memory limit) costs only the cells from
   there on, marked "not run";
 - the one-line reason of every failed test cell (reasons.py) goes first in its output,
-  where the feedback puts it in front of the student.
+  where the feedback puts it in front of the student;
+- the kernel (kernel.py) runs in safe-path mode in a scratch copy of the notebook's folder,
+  behind bubblewrap (sandbox.py) unless `sandbox` is turned off on purpose (--no-sandbox).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import tempfile
 import threading
+from pathlib import Path
 
 import psutil
 from nbclient.exceptions import CellTimeoutError, DeadKernelError
 from nbformat.v4 import new_output
 from nbgrader import utils
 from nbgrader.preprocessors import Execute
-from traitlets import Float, Integer
+from traitlets import Bool, Float, Integer
 
+from ..lessons import SOLUTIONS
+from . import sandbox as walls
+from .kernel import GradingKernelManager
 from .reasons import failure_reason, note
 
 
@@ -42,9 +50,16 @@ class GradingExecute(Execute):
                   "4 GiB per rank of zerokit's checks, so that a check reports first."
     ).tag(config=True)
 
+    sandbox = Bool(
+        True, help="Run each kernel (and all it starts) behind bubblewrap: read-only course, no network, a PID "
+                   "namespace of its own. False only when chosen (--no-sandbox); a missing bwrap is an error."
+    ).tag(config=True)
+
     def __init__(self, *args, **kwargs):
+        kwargs.setdefault("kernel_manager_class", GradingKernelManager)
         super().__init__(*args, **kwargs)
         self.timeout_func = self._timeout_for
+        self._scratch = None
 
     def _timeout_for(self, cell):
         return self.timeout if utils.is_grade(cell) and utils.is_locked(cell) else self.cell_timeout
@@ -54,32 +69,58 @@ class GradingExecute(Execute):
         self._memory_kill = None
         self._watch_stop = threading.Event()
         self._watcher = None
+        folder = (resources or {}).get("metadata", {}).get("path") or os.getcwd()
+        self._scratch = tempfile.mkdtemp(prefix="zerokit-grading-")
         try:
+            walls.scratch_copy(folder, os.path.join(self._scratch, "work"))
+            os.mkdir(os.path.join(self._scratch, "kernel"), 0o700)
+            self._wall = None
+            if self.sandbox:
+                walls.probe_once()
+                # hidden: what a read-only bind of this Python or zerokit must not drag in with it
+                self._wall = walls.Wall(self._scratch, hidden=[SOLUTIONS, folder, Path.home()])
             return super().preprocess(nb, resources, km)
         finally:
             self._watch_stop.set()
+            shutil.rmtree(self._scratch, ignore_errors=True)  # what the kernel wrote goes with it
+
+    def create_kernel_manager(self):
+        km = super().create_kernel_manager()
+        if isinstance(km, GradingKernelManager):
+            km.wall, km.socket_dir = self._wall, os.path.join(self._scratch, "kernel")
+            km.workdir = os.path.join(self._scratch, "work")
+        return km
 
     def _kernel_pid(self):
+        if isinstance(self.km, GradingKernelManager):
+            return self.km.kernel_pid()
         return getattr(getattr(self.km, "provisioner", None), "pid", None)
 
-    def _watch(self, pid):
-        """Kill the kernel, or a process it started, that outgrows its memory limit."""
-        try:
-            kernel = psutil.Process(pid)
-        except psutil.Error:
-            return
+    def _watch(self):
+        """Kill the kernel, or a process it started, that outgrows its memory limit.
+
+        The kernel's pid is looked up here, again until found: behind the wall it is a process
+        below bwrap, which may not be listed yet when the first cell starts.
+        """
+        kernel = None
         while not self._watch_stop.wait(0.1):
             try:
+                if kernel is None or not kernel.is_running():
+                    pid = self._kernel_pid()
+                    if pid is None:
+                        continue
+                    kernel = psutil.Process(pid)
                 procs = [kernel] + kernel.children(recursive=True)
             except psutil.Error:
-                return  # the kernel is gone
+                kernel = None
+                continue
             for p in procs:
-                limit = self.memory_limit_gb if p.pid == pid else self.child_memory_limit_gb
+                limit = self.memory_limit_gb if p.pid == kernel.pid else self.child_memory_limit_gb
                 try:
                     rss = p.memory_info().rss
                     if rss > limit * 2**30:
                         p.kill()
-                        if p.pid == pid:
+                        if p.pid == kernel.pid:
                             self._memory_kill = (f"the kernel (the Python process running your notebook) used "
                                                  f"{rss / 2**30:.1f} GiB of memory, over the {limit:g} GiB limit, "
                                                  "and was stopped")
@@ -92,8 +133,8 @@ class GradingExecute(Execute):
         if self._dead:
             cell.outputs = [_error_output("NotRun", f"not run: {self._dead}")]
             return self._annotate(cell), resources
-        if self._watcher is None and self._kernel_pid():
-            self._watcher = threading.Thread(target=self._watch, args=(self._kernel_pid(),), daemon=True)
+        if self._watcher is None:
+            self._watcher = threading.Thread(target=self._watch, daemon=True)
             self._watcher.start()
         limit = self._timeout_for(cell)
         # nbclient interrupts the kernel on a timeout and records this as the cell's error
