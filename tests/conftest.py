@@ -190,3 +190,34 @@ def checkout_state():
 __all__ = ["LAUNCH_TIMEOUT", "run_ranks", "new_model", "batch", "rank_slice", "snapshot", "max_diff",
            "adamw_reference", "ceil_div", "num_trainable", "close_rel", "exercise_module", "source_module", "fails", "outcome",
            "UNFINISHED", "fails_exactly", "fails_every_check", "nbgrader", "checkout_state"]
+
+
+# ---- a headless Chromium (tests/test_browser.py, and the feedback in tests/test_autograde.py)
+
+CHROMIUM = os.environ.get("ZEROKIT_CHROMIUM", "/usr/bin/chromium")
+# what a headless Chromium needs on a machine without a display or a network beyond localhost
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-sync",
+                 "--disable-background-networking", "--disable-component-update"]
+
+
+def chromium():
+    """The system's Chromium under Playwright, as a context manager; fails (never skips) without
+    one: `make test` installs it. Use it from a module-scoped fixture: Playwright's sync API
+    keeps an event loop of its own, which must not outlive the module (nbmake runs asyncio)."""
+    from contextlib import contextmanager
+
+    from playwright.sync_api import sync_playwright
+
+    @contextmanager
+    def launched():
+        if not Path(CHROMIUM).exists():
+            pytest.fail(f"no Chromium at {CHROMIUM}: `make test` installs it (apt-get install chromium)")
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+            try:
+                yield browser
+            finally:
+                browser.close()
+
+    return launched()
+

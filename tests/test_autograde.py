@@ -32,7 +32,7 @@ import nbformat
 import psutil
 import pytest
 
-from conftest import checkout_state, nbgrader
+from conftest import checkout_state, chromium, nbgrader
 from tests import submissions
 from tests.submissions import hostile, lesson00
 from zerokit.grading import autograde
@@ -141,6 +141,39 @@ def test_feedback_html_for_every_student_shows_the_reasons_not_the_hidden_tests(
         for name, reason in graded.results[(student.id, lesson)]["reasons"].items():
             assert reason in text, f"{page}: {name}'s reason is missing: {reason}"
 
+
+
+@pytest.mark.browser
+@pytest.mark.timeout(120)
+def test_feedback_html_reads_right_offline_its_formulas_typeset_without_mathjax(graded):
+    """Opened in Chromium with every request but the file itself refused (no CDN, no MathJax):
+    the formulas show as typeset math, not as TeX."""
+    lesson, student = next((lesson, s) for lesson, s in _students(graded.built) if lesson == "03_zero1")
+    page_path = graded.out / "feedback" / student.id / lesson / f"{lesson}.html"
+    refused = []
+
+    def offline(route):
+        if route.request.url.startswith("file:"):
+            return route.continue_()
+        refused.append(route.request.url)
+        return route.abort()
+
+    with chromium() as browser:
+        page = browser.new_page(viewport={"width": 1200, "height": 900})
+        page.route("**/*", offline)
+        page.goto(page_path.as_uri())
+        text = page.inner_text("body")
+        maths = page.locator("math")
+        count = maths.count()
+        boxes = [maths.nth(i).bounding_box() for i in range(min(count, 20))]
+        ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts" / "browser"
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "feedback_offline.png"))
+    assert any("mathjax" in url.lower() for url in refused), "the page no longer asks for MathJax: test the new setup"
+    for tex in (r"\Psi", r"\lceil", r"\frac", "$$"):
+        assert tex not in text, f"{page_path.name} shows raw TeX offline ({tex!r})"
+    assert count > 20, f"only {count} <math> elements in {page_path.name}"
+    assert all(b and b["width"] > 0 and b["height"] > 0 for b in boxes), boxes
 
 # ---- the wall ------------------------------------------------------------------------------
 

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import chromium
 from zerokit.grading.lessons import lesson_ids
 from zerokit.memory import theory_bytes
 
@@ -30,10 +31,6 @@ pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "test-artifacts" / "browser"
-CHROMIUM = os.environ.get("ZEROKIT_CHROMIUM", "/usr/bin/chromium")
-# what a headless Chromium needs on a machine without a display or a network beyond localhost
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-sync",
-                 "--disable-background-networking", "--disable-component-update"]
 TOKEN = "zerokit-browser-test"
 
 
@@ -93,14 +90,8 @@ def lab(course):
 
 @pytest.fixture(scope="module")
 def browser():
-    from playwright.sync_api import sync_playwright
-
-    if not Path(CHROMIUM).exists():
-        pytest.fail(f"no Chromium at {CHROMIUM}: `make test` installs it (apt-get install chromium)")
-    with sync_playwright() as pw:
-        chromium = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        yield chromium
-        chromium.close()
+    with chromium() as launched:
+        yield launched
 
 
 @pytest.fixture
@@ -174,6 +165,8 @@ def test_the_memory_calculator_follows_its_slider_and_the_shard_map_redraws(page
     calculator = page.locator(".zerokit-memory-calculator")
     calculator.wait_for(timeout=30_000)
     assert _shown_bytes(page) == pytest.approx(theory_bytes(7.5e9, "zero3", 64, "mixed")["total"])
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    calculator.screenshot(path=str(ARTIFACTS / "memory_calculator.png"))  # the paper's example (the README's)
     # the N slider (the calculator's first integer slider): focus its handle, step it right
     handle = calculator.locator(".widget-slider .noUi-handle").nth(1)
     handle.focus()
@@ -189,9 +182,7 @@ def test_the_memory_calculator_follows_its_slider_and_the_shard_map_redraws(page
     page.keyboard.press("ArrowRight")
     page.wait_for_function("before => document.querySelector('.zerokit-shard-map img').src != before",
                            arg=before, timeout=30_000)
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "widgets.png"), full_page=True)
-    calculator.screenshot(path=str(ARTIFACTS / "memory_calculator.png"))
 
 
 @pytest.mark.timeout(300)

@@ -109,6 +109,22 @@ def test_a_traced_step_puts_each_stages_collectives_in_their_phase():
     assert json.dumps(widgets.step_timeline({"ZeRO-2": zero2, "ZeRO-3": zero3})._repr_mimebundle_()["text/plain"])
 
 
-def test_progress_is_silent_where_it_would_flood_a_log(capsys):
+def test_progress_is_silent_where_it_would_flood_a_log(capsys, monkeypatch):
+    monkeypatch.delenv("CI", raising=False)
     assert list(widgets.progress(range(3), desc="x")) == [0, 1, 2]
     assert capsys.readouterr().err == ""  # pytest's captured stderr is not a terminal
+
+
+def test_progress_shows_in_a_kernel_and_in_a_terminal_but_not_under_ci(monkeypatch):
+    """A kernel's stderr is no terminal (tqdm's own test would hide the bar in every notebook)."""
+    monkeypatch.delenv("CI", raising=False)
+    shell = type("Shell", (), {"kernel": object()})()
+    monkeypatch.setattr("IPython.get_ipython", lambda: shell)
+    assert widgets.progress(range(3)).disable is False
+    monkeypatch.setenv("CI", "true")
+    assert widgets.progress(range(3)).disable is True
+    monkeypatch.setattr("IPython.get_ipython", lambda: None)
+    monkeypatch.delenv("CI")
+    monkeypatch.setattr("sys.stderr", type("Tty", (), {"isatty": lambda self: True, "write": lambda self, s: None,
+                                                         "flush": lambda self: None})())
+    assert widgets.progress(range(3)).disable is False

@@ -17,6 +17,8 @@ browser) shows the figure where JupyterLab shows the controls.
 import base64
 import html
 import io
+import os
+import sys
 
 from matplotlib import colormaps
 from matplotlib.figure import Figure
@@ -49,11 +51,22 @@ def _psi_label(psi):
 
 
 def progress(iterable=None, desc=None, total=None):
-    """tqdm.auto over `iterable`: a widget in a notebook, text in a terminal; silent where its
-    output would only flood a log (stderr not a terminal, as under CI)."""
+    """tqdm.auto over `iterable`: a widget in a notebook, text in a terminal; silent under CI
+    (CI=true) and where stderr is a log file, where a redrawn bar would only flood it."""
     from tqdm.auto import tqdm
 
-    return tqdm(iterable, desc=desc, total=total, disable=None, leave=False)
+    return tqdm(iterable, desc=desc, total=total, disable=not _shows_progress(), leave=False)
+
+
+def _shows_progress():
+    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+        return False
+    # a Jupyter kernel's stderr says it is no terminal, yet there the bar is a widget, not text
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    if shell is not None and getattr(shell, "kernel", None) is not None:
+        return True
+    return sys.stderr is not None and sys.stderr.isatty()
 
 
 # ---------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ import psutil
 from nbgrader.api import Gradebook
 from nbgrader.converters import GenerateAssignment
 
+from ...widgets import progress
 from ..lessons import LESSONS, ROOT, SOLUTIONS, lesson_ids, nbgrader_env, release_drift
 from . import sandbox
 from .course import course_config, run_app, write_course_config
@@ -115,6 +116,9 @@ def grade(submissions, lessons=None, students=None, course_dir=ROOT, out=None, j
         echo(f"nbgrader's own commands work in {course_dir} (wrote {written.name} there)")
     echo(f"grading {len(todo)} notebook(s) of {len({s for s, _ in todo})} student(s), lessons "
          f"{', '.join(graded_lessons) or '(none)'}; {jobs} at a time")
+    bar = progress(total=len(todo), desc="grading")  # the lines below print above it, not through it
+    if echo is print and not bar.disable:
+        echo = bar.write
     scratch_root = tempfile.mkdtemp(prefix="zerokit-grading-run-")  # each grader's temporary files, below
     was_subreaper = set_subreaper()  # a grader killed mid-notebook leaves its orphans to us
     elders = {p.pid for p in psutil.Process().children()}  # this process's own children from before: not ours to kill
@@ -150,7 +154,9 @@ def grade(submissions, lessons=None, students=None, course_dir=ROOT, out=None, j
                     error = "modified the grader's files (put back): " + ", ".join(changed)
                 r = results[(job.student, job.lesson)] = finish(cfg, job, error, strays)
                 report(echo, len(results), len(todo), job, r)
+                bar.update()
     finally:
+        bar.close()
         for job in running:
             job.kill()
         leftover = kill_tagged(run_id) + kill_descendants(keep=elders)

@@ -9,7 +9,8 @@ same way:
   safe-path mode behind bubblewrap) and RestoreCells for OverwriteCells (deleted test cells
   put back, and edits judged against what students received: lessons/);
 - feedback: the hidden tests' code never shown (their outcome and reason are), whoever
-  generates it: HideTests (nbgrader's ClearHiddenTests) in GenerateFeedback's preprocessors.
+  generates it: HideTests (nbgrader's ClearHiddenTests) in GenerateFeedback's preprocessors;
+  its formulas typeset as MathML when it is made (OfflineMath), so it reads right offline.
 
 The lists are nbgrader's defaults with those two substitutions, read from nbgrader itself,
 so a new nbgrader preprocessor is kept rather than silently dropped.
@@ -24,13 +25,15 @@ from nbgrader.preprocessors import Execute, GetGrades, OverwriteCells
 from ..lessons import LESSONS
 from .execute import GradingExecute
 from .feedback import HideTests
+from .offline_math import OfflineMath
 from .restore import RestoreCells
 
 __all__ = ["grade_as_the_course", "FEEDBACK_PREPROCESSORS"]
 
 # nbgrader's GenerateFeedback default is [GetGrades, CSSHTMLHeaderPreprocessor]: the hidden
-# tests would be shown to the student as they ran. HideTests (ClearHiddenTests) removes them.
-FEEDBACK_PREPROCESSORS = [GetGrades, HideTests, CSSHTMLHeaderPreprocessor]
+# tests would be shown to the student as they ran. HideTests (ClearHiddenTests) removes them;
+# OfflineMath typesets the formulas as MathML (MathJax comes from a CDN: none offline).
+FEEDBACK_PREPROCESSORS = [GetGrades, HideTests, OfflineMath, CSSHTMLHeaderPreprocessor]
 
 
 def grade_as_the_course(c):
