@@ -229,13 +229,14 @@ def _read_csv(path):
 
 def test_a_late_submission_scores_what_the_penalty_leaves(graded):
     r = graded.results[("late", "00_collectives")]
-    assert (r["score"], r["late"]["raw"], r["late"]["penalty"]) == (0, 5, 5)
+    full = sum(lesson00.FULL.values())  # the late student's notebook is correct: every point, then the penalty
+    assert (r["score"], r["late"]["raw"], r["late"]["penalty"]) == (0, full, full)
     assert round(r["late"]["seconds_late"]) == 2 * 3600
     line = next(line for line in graded.lines if "] late / 00_collectives:" in line)
-    assert "0 of 5 points" in line and "late by 2.0 h" in line, line
+    assert f"0 of {full:g} points" in line and "late by 2.0 h" in line, line
     row = next(row for row in _read_csv(graded.out / "grades.csv") if row["student"] == "late")
     assert (row["00_collectives"], row["00_collectives:raw_score"], row["00_collectives:late_penalty"]) == \
-        ("0", "5", "5")
+        ("0", f"{full:g}", f"{full:g}")
 
 
 def test_nbgrader_export_in_the_course_folder_agrees_with_grades_csv(graded):

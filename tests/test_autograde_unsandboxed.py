@@ -27,13 +27,14 @@ import pytest
 
 from conftest import checkout_state
 from tests import submissions
-from tests.submissions import hostile
+from tests.submissions import hostile, lesson00
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(900)]
 
 ROOT = Path(__file__).resolve().parents[1]
 HOSTILE = ("hostile_writes", "hostile_processes")
 COURSE = ("zerokit", "solutions", "lessons")
+NOTHING = f"0 of {sum(lesson00.FULL.values()):g} points"  # lesson 00's points, none scored
 SKIP = shutil.ignore_patterns("__pycache__", ".ipynb_checkpoints")
 
 
@@ -71,7 +72,7 @@ def test_the_run_says_it_has_no_isolation_and_finishes(unsandboxed):
 
 def test_a_notebook_that_changed_the_graders_files_scores_0_with_that_reason(unsandboxed):
     line = _line(unsandboxed, "hostile_writes")
-    assert "0 of 5 points" in line and "graded alone" in line, line
+    assert NOTHING in line and "graded alone" in line, line
     reasons = [r for r in unsandboxed.lines if "modified the grader's files (put back)" in r]
     assert reasons, unsandboxed.lines
     for changed in ("zerokit/grading/compare.py (changed)", "solutions/00_collectives/00_collectives.ipynb (changed)",
@@ -81,7 +82,7 @@ def test_a_notebook_that_changed_the_graders_files_scores_0_with_that_reason(uns
 
 def test_a_notebook_that_killed_its_grader_scores_0_and_the_run_goes_on(unsandboxed):
     line = _line(unsandboxed, "hostile_processes")
-    assert "0 of 5 points" in line, line
+    assert NOTHING in line, line
     assert any("the process grading this notebook was killed (SIGKILL)" in r for r in unsandboxed.lines)
 
 

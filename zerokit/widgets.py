@@ -176,6 +176,7 @@ def timeline_figure(trace, title=""):
                 fontsize=8)
     end = max(e for _, _, e in trace["phases"])
     ax.set_xlim(-0.35 * end, end * 1.02)
+    ax.set_xticks([t for t in ax.get_xticks() if 0 <= t <= end])  # the left margin holds the lane labels
     ax.set_ylim(-0.5 * len(lanes) - 0.2, 1.6)
     ax.set_yticks([])
     ax.set_xlabel("ms since forward began (issue times; the recorder itself slows each operation)")

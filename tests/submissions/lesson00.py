@@ -127,16 +127,16 @@ STUDENTS = [
     # student gets what the code is worth; tests/test_autograde.py reads each attempt's outcome.
     Student("hostile_writes", "sums wrong, and rewrites the checks' comparison, solutions/ and lessons/; "
             "reads solutions/", VOLUME_ONLY, reason="differs on rank",
-            cells={"my_all_reduce": MEAN}, before={"test_my_all_reduce": hostile.WRITES}),
+            cells={**ANSWERED, "my_all_reduce": MEAN}, before={"test_my_all_reduce": hostile.WRITES}),
     Student("hostile_processes", "right, but starts a detached process with an empty environment, connects "
             "out, kills its grader's process group and parent; a plain folder named zerokit beside it", FULL,
-            cells={"my_all_reduce": SOLUTION}, before={"test_my_all_reduce": hostile.PROCESSES},
+            cells={**ANSWERED, "my_all_reduce": SOLUTION}, before={"test_my_all_reduce": hostile.PROCESSES},
             after={"test_same_volume": hostile.KILL_GRADER},
             files={"zerokit/NOTES.md": "my notes on the course (a plain folder, not a package)\n"}),
     Student("planted_zerokit", "sums wrong, with a copy of zerokit beside the notebook whose assert_close "
             "never fails", VOLUME_ONLY, reason="differs on rank",
-            cells={"my_all_reduce": MEAN}, files=hostile.planted_zerokit()),
+            cells={**ANSWERED, "my_all_reduce": MEAN}, files=hostile.planted_zerokit()),
     # Late: nbgrader's timestamp.txt, 2 h after the due date the test sets (none is set otherwise).
-    Student("late", "right, submitted 2 h after the due date", FULL, cells={"my_all_reduce": SOLUTION},
+    Student("late", "right, submitted 2 h after the due date", FULL, cells={**ANSWERED, "my_all_reduce": SOLUTION},
             files={"timestamp.txt": LATE_TIMESTAMP}),
 ]

@@ -139,6 +139,9 @@ class Wall:
         filtered to what a kernel may see."""
         args = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
                 "--hostname", HOSTNAME]
+        # a private /tmp first: a checkout, a virtual environment or a scratch folder under /tmp
+        # (a CI clone, pytest's folders) is bound on top of it below, not hidden by it
+        args += ["--tmpfs", "/tmp"]
         for p in self.readable:
             if os.path.islink(p) and p in SYSTEM_DIRS:
                 args += ["--symlink", os.readlink(p), p]  # /bin -> usr/bin: the same layout inside
@@ -149,7 +152,7 @@ class Wall:
             if os.path.exists(path):
                 args += ["--ro-bind", path, path]
         args += ["--ro-bind", self.hosts, "/etc/hosts"]
-        args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/dev/shm", "--tmpfs", "/tmp", "--dir", "/tmp/home"]
+        args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/dev/shm", "--dir", "/tmp/home"]
         for d in self.writable:
             args += ["--bind", d, d]
         # the root bwrap builds is a writable tmpfs: read-only, so that a write outside the
