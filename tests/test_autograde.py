@@ -273,8 +273,11 @@ def test_grades_csv_has_a_row_per_student_and_a_column_per_lesson_and_cell(grade
 
 
 def _hidden_test_lines(lesson):
-    """Every line of the hidden tests of `lesson` (solutions/), markers left out."""
+    """Every line of the hidden tests of `lesson` (solutions/), markers left out, that could only
+    come from there: not a line students see in lessons/ too, nor one as short as `})`."""
     nb = json.loads((ROOT / "solutions" / lesson / f"{lesson}.ipynb").read_text())
+    released = json.loads((ROOT / "lessons" / lesson / f"{lesson}.ipynb").read_text())
+    visible = {line.strip() for cell in released["cells"] for line in "".join(cell["source"]).splitlines()}
     lines = []
     for cell in nb["cells"]:
         inside = False
@@ -283,7 +286,7 @@ def _hidden_test_lines(lesson):
                 inside = True
             elif "END HIDDEN TESTS" in line:
                 inside = False
-            elif inside and line.strip():
+            elif inside and len(line.strip()) >= 8 and line.strip() not in visible:
                 lines.append(line.strip())
     assert lines, f"{lesson} has no hidden tests to look for"
     return lines
@@ -301,10 +304,10 @@ def test_nbgrader_generate_and_release_feedback_never_show_hidden_tests(graded):
     pages = list((graded.out / "feedback").rglob("*.html")) + list(exchange.rglob("*.html"))
     released = list(exchange.rglob("*.html"))
     assert len(released) == len(graded.built["03_zero1"]) + len(graded.built["00_collectives"]), released
-    hidden = _hidden_test_lines("03_zero1") + _hidden_test_lines("00_collectives")
-    for page in pages:
+    hidden = {lesson: _hidden_test_lines(lesson) for lesson in graded.built}
+    for page in pages:  # each page against its own lesson's hidden tests
         text = html.unescape(page.read_text())
-        shown = [line for line in hidden if line in text]
+        shown = [line for line in hidden[page.stem] if line in text]
         assert not shown, f"{page} shows hidden test lines: {shown[:3]}"
 
 

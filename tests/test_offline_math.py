@@ -4,7 +4,10 @@ import json
 import re
 import xml.etree.ElementTree as ET
 
-from zerokit.grading.autograde.offline_math import tex_to_mathml
+import nbformat
+from nbconvert import HTMLExporter
+
+from zerokit.grading.autograde.offline_math import OfflineMath, tex_to_mathml
 from zerokit.grading.lessons import LESSONS, lesson_ids
 
 MATHML = "{http://www.w3.org/1998/Math/MathML}"
@@ -51,3 +54,11 @@ def test_a_formula_that_does_not_convert_stays_tex_and_is_reported():
     out = tex_to_mathml(r"fine $x^2$, broken $\frac{1}{$ end", failed)
     assert "<math" in out
     assert failed == [r"\frac{1}{"] and r"$\frac{1}{$" in out
+
+
+def test_listed_among_an_exporters_preprocessors_it_runs():
+    """As GenerateFeedback lists it (settings.FEEDBACK_PREPROCESSORS): no `enabled` to set."""
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell(r"per rank: $8\Psi/N$ bytes")])
+    exporter = HTMLExporter(template_name="classic", preprocessors=[OfflineMath])
+    body, _ = exporter.from_notebook_node(nb)
+    assert "<math " in body and r"\Psi" not in body

@@ -37,7 +37,7 @@ weights into `half`:
 - check_offload_numerics  master, m and v (read back from the files) and the 16-bit weights
                           equal torch.optim.AdamW's after each of 3 steps, on 2 ranks;
 - check_offload_memory    on a 4 Mi-element shard (48 MiB of state on disk), the peak resident
-                          memory of the rank during the step rises by a few chunks, not by
+                          memory of the rank during the step rises by at most 16 MiB, not by
                           the state (the kernel's high-water mark, /proc/self/clear_refs).
 """
 
@@ -539,7 +539,9 @@ def _offload_memory_case(rank, world_size, fn, numel, chunk):
         for t in (master, m, v):
             t.close()
     state = 3 * 4 * numel
-    bound = max(8 * MiB, 16 * 4 * chunk)
+    # a correct step rises by 0.5-1.2 MiB, now and then by 8 MiB (a thread of torch's pool started
+    # mid-step: its stack and malloc arena are resident too); the state is 48 MiB: a third of it
+    bound = max(16 * MiB, 16 * 4 * chunk)
     if not changed:
         raise AssertionError("your step left the weights (half) unchanged: there is no step to measure")
     if rise > bound:

@@ -14,6 +14,7 @@ import re
 
 from latex2mathml.converter import convert
 from nbconvert.preprocessors import Preprocessor
+from traitlets import Bool
 
 __all__ = ["OfflineMath", "tex_to_mathml"]
 
@@ -43,6 +44,9 @@ def tex_to_mathml(markdown, failed=None):
 
 class OfflineMath(Preprocessor):
     """Markdown cells' $...$ and $$...$$ as MathML, so the feedback needs no network."""
+
+    # nbconvert's preprocessors are off unless enabled (nbgrader's own are on): on, as theirs
+    enabled = Bool(True, help="Typeset the formulas of markdown cells as MathML").tag(config=True)
 
     def preprocess_cell(self, cell, resources, cell_index):
         if cell.cell_type == "markdown":
