@@ -30,7 +30,8 @@ from .compare import assert_close
 from .harness import CheckFailed, run_on_ranks
 
 __all__ = ["check_class", "refusing", "adamw_reference", "global_batch", "rank_batch", "batch_backward", "trainable", "psi_of",
-           "snapshot", "gather_object", "bucket_label", "state_shard", "assert_changed", "optimizer_held_bytes", "assert_adam_shards", "alias", "renamed_args"]
+           "snapshot", "gather_object", "bucket_label", "state_shard", "assert_changed", "optimizer_held_bytes", "assert_adam_shards", "alias", "renamed_args",
+           "try_stretch"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -326,3 +327,26 @@ def alias(check, old_name, **renamed):
     old.__name__ = old.__qualname__ = old_name
     old.__doc__ = f"The old name of {check.__name__} (kept for notebooks released before the rename)."
     return old
+
+
+# ---------------------------------------------------------------------------------------
+# a stretch exercise's cell (ungraded)
+
+
+def try_stretch(check, obj, name):
+    """Run `check(obj)` if the student defined `name` (obj not None) and print ✓ or the reason;
+    never raise: the cell is not graded, so a skipped or unfinished stretch costs nothing."""
+    if obj is None:
+        print(f"· stretch not attempted: define {name} above and run this cell to have it checked "
+              "(no points either way)")
+        return False
+    try:
+        check(obj)
+    except AssertionError as exc:  # CheckFailed, or an assertion before the ranks start
+        print(f"✗ stretch: {str(exc).splitlines()[0]}")
+        return False
+    except Exception as exc:  # noqa: BLE001  (not graded: say what happened, never fail the cell)
+        print(f"✗ stretch: {type(exc).__name__}: {exc}")
+        return False
+    return True
+

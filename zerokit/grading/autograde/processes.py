@@ -36,10 +36,17 @@ def kill_tagged(prefix, grace=3.0):
 
     The grace lets a fork server whose kernel just shut down see EOF and exit by itself.
     """
+    return _kill_until_gone(lambda: tagged_processes(prefix), grace)
+
+
+def _kill_until_gone(find, grace):
+    """Wait `grace` s for what find() returns to exit, then kill it; again until find() finds
+    nothing (a dying parent may fork once more). Describes each process killed."""
     killed = []
-    psutil.wait_procs(tagged_processes(prefix), timeout=grace)
-    for _ in range(5):  # a dying parent may fork once more: sweep until nothing is left
-        procs = tagged_processes(prefix)
+    if grace:
+        psutil.wait_procs(find(), timeout=grace)
+    for _ in range(5):
+        procs = find()
         if not procs:
             break
         for p in procs:
@@ -48,7 +55,7 @@ def kill_tagged(prefix, grace=3.0):
                 p.kill()
             except psutil.Error:
                 pass
-        psutil.wait_procs(procs, timeout=5)
+        psutil.wait_procs(procs, timeout=5)  # also reaps our own (and adopted) children
     return killed
 
 
@@ -90,21 +97,7 @@ def kill_descendants(keep=(), grace=0.0):
     Repeats until none is left: a dying process may fork once more.
     """
     me = psutil.Process()
-    killed = []
-    if grace:
-        psutil.wait_procs(_descendants(me, keep), timeout=grace)
-    for _ in range(5):
-        procs = _descendants(me, keep)
-        if not procs:
-            break
-        for p in procs:
-            try:
-                killed.append(f"{p.pid} {' '.join(p.cmdline()[:4])}")
-                p.kill()
-            except psutil.Error:
-                pass
-        psutil.wait_procs(procs, timeout=5)  # also reaps them: they are (adopted) children
-    return killed
+    return _kill_until_gone(lambda: _descendants(me, keep), grace)
 
 
 def _descendants(me, keep):
