@@ -166,9 +166,9 @@ def test_feedback_html_reads_right_offline_its_formulas_typeset_without_mathjax(
         maths = page.locator("math")
         count = maths.count()
         boxes = [maths.nth(i).bounding_box() for i in range(min(count, 20))]
-        ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts" / "browser"
-        ARTIFACTS.mkdir(parents=True, exist_ok=True)
-        page.screenshot(path=str(ARTIFACTS / "feedback_offline.png"))
+        artifacts = ROOT / "test-artifacts" / "browser"
+        artifacts.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(artifacts / "feedback_offline.png"))
     assert any("mathjax" in url.lower() for url in refused), "the page no longer asks for MathJax: test the new setup"
     for tex in (r"\Psi", r"\lceil", r"\frac", "$$"):
         assert tex not in text, f"{page_path.name} shows raw TeX offline ({tex!r})"

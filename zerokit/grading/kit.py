@@ -349,4 +349,3 @@ def try_stretch(check, obj, name):
         print(f"✗ stretch: {type(exc).__name__}: {exc}")
         return False
     return True
-
