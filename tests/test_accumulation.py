@@ -13,13 +13,13 @@ backward under no_sync too.
 import contextlib
 
 import pytest
-import torch
 
 import zerokit
 from conftest import run_ranks
 from zerokit.comm import theory_volume
 from zerokit.memory import MemoryProbe, census
 from zerokit.models import build_model, model_batch, model_loss
+from zerokit.reference import reference_trajectory
 
 K, PER_MICRO, STEPS, LR, WD, TOL = 3, 2, 2, 1e-2, 0.1, 1e-5
 WORLD = 2
@@ -27,16 +27,7 @@ GLOBAL = K * PER_MICRO * WORLD
 
 
 def _reference():
-    net = build_model("transformer")
-    opt = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=WD, foreach=False)
-    out = []
-    for step in range(STEPS):
-        x, y = model_batch("transformer", GLOBAL, step)
-        model_loss("transformer", net(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-        out.append({n: p.detach().clone() for n, p in net.named_parameters()})
-    return out
+    return reference_trajectory("transformer", STEPS, GLOBAL, lr=LR, weight_decay=WD)
 
 
 def _run(rank, world_size, stage, no_sync):

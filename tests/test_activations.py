@@ -24,7 +24,7 @@ from conftest import run_ranks
 from zerokit.activations import (SavedActivations, checkpoint_modules, in_backward, korthikanti_layer_bytes,
                                  layer_activation_bytes, transformer_activation_bytes)
 from zerokit.models import Block, TinyTransformer, build_model, make_batch, model_batch, model_loss
-from zerokit.reference import rank_slice
+from zerokit.reference import rank_slice, reference_trajectory
 
 V, H, L, A, S = 101, 22, 2, 2, 9  # the zoo's "transformer"
 STEPS, BATCH, LR, WD = 3, 4, 1e-2, 0.1
@@ -124,16 +124,7 @@ class Lesson05Hooks(zerokit.ZeRO3Adam):
 
 
 def _reference():
-    net = build_model("transformer")
-    opt = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=WD, foreach=False)
-    out = []
-    for step in range(STEPS):
-        x, y = model_batch("transformer", BATCH, step)
-        model_loss("transformer", net(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-        out.append({n: p.detach().clone() for n, p in net.named_parameters()})
-    return out
+    return reference_trajectory("transformer", STEPS, BATCH, lr=LR, weight_decay=WD)
 
 
 def _train(rank, world_size, cls, units, early_stop):
