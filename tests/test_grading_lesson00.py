@@ -54,8 +54,8 @@ def gathers_and_sums(tensor):
     return everything.view(n, -1).sum(0)
 
 
-def wrong_chunk_order(tensor):
-    """Right collectives and volume; the gathered chunks put back in reverse order."""
+def _gathered_sum(tensor):
+    """The right collectives and volume: the padded sum on every rank, (sum, N, numel)."""
     n = dist.get_world_size()
     numel = tensor.numel()
     chunk = -(-numel // n)
@@ -64,19 +64,18 @@ def wrong_chunk_order(tensor):
     mine = torch.empty(chunk, dtype=tensor.dtype)
     dist.reduce_scatter_single(mine, padded)
     dist.all_gather_single(padded, mine)
+    return padded, n, numel
+
+
+def wrong_chunk_order(tensor):
+    """Right collectives and volume; the gathered chunks put back in reverse order."""
+    padded, n, numel = _gathered_sum(tensor)
     return torch.cat(list(reversed(padded.chunk(n))))[:numel]
 
 
 def mean_not_sum(tensor):
     """Right collectives and volume, then divided by N."""
-    n = dist.get_world_size()
-    numel = tensor.numel()
-    chunk = -(-numel // n)
-    padded = torch.zeros(chunk * n, dtype=tensor.dtype)
-    padded[:numel] = tensor
-    mine = torch.empty(chunk, dtype=tensor.dtype)
-    dist.reduce_scatter_single(mine, padded)
-    dist.all_gather_single(padded, mine)
+    padded, n, numel = _gathered_sum(tensor)
     return padded[:numel] / n
 
 
