@@ -41,10 +41,8 @@ weights into `half`:
                           the state (the kernel's high-water mark, /proc/self/clear_refs).
 """
 
-import ctypes
 import gc
 import os
-import re
 import tempfile
 
 import torch
@@ -52,7 +50,7 @@ from torch import nn
 
 from ..activations import SavedActivations, checkpoint_modules, in_backward
 from ..comm import CommCounter
-from ..memory import census
+from ..memory import PeakRSS, census, settled_resident_bytes
 from ..models import build_model, model_loss
 from ..offload import DiskPlace, DiskTensor
 from ..zero1 import ShardedAdamState
@@ -496,25 +494,8 @@ def _offload_numerics_case(rank, world_size, fn, numel, chunk, steps):
     return numel
 
 
-def _steady_malloc():
-    """glibc: every block of 128 KiB or more mapped alone and returned when freed, so resident
-    memory follows the live tensors (zerokit.memory.PeakRSS does the same; repeated here so
-    that the check measures with its own code)."""
-    ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)
-
-
-def _rss():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _high_water_mark():
-    with open("/proc/self/status") as f:
-        return int(re.search(r"VmHWM:\s+(\d+) kB", f.read()).group(1)) * 1024
-
-
 def _offload_memory_case(rank, world_size, fn, numel, chunk):
-    _steady_malloc()
+    settled_resident_bytes()  # its first call: large blocks become mappings of their own, RSS follows tensors
     with tempfile.TemporaryDirectory(prefix="lesson08-") as folder, refusing(*_REFUSE_OFFLOAD):
         # a first call on a small shard: what a process allocates once (torch's first use of these
         # operations, the mapping code) is not the step's
@@ -528,13 +509,12 @@ def _offload_memory_case(rank, world_size, fn, numel, chunk):
         master, m, v = _files(folder, numel, weights)
         half = weights.to(torch.bfloat16)
         before = half.clone()
-        gc.collect()
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # the kernel's peak resident memory starts again from now
-        start = _rss()
-        with refusing(*_REFUSE_OFFLOAD):
+        with PeakRSS() as peak, refusing(*_REFUSE_OFFLOAD):  # the kernel's high-water mark, reset on entry
             fn(master, m, v, grad, half, 1, chunk_numel=chunk, **OFFLOAD_HYPER)
-        rise = _high_water_mark() - start
+        if peak.bytes is None:
+            raise AssertionError("this machine gives no peak resident memory (/proc/self/status, clear_refs): "
+                                 "the check needs Linux")
+        rise = peak.bytes
         changed = not torch.equal(half, before)
         for t in (master, m, v):
             t.close()
