@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import types
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -200,24 +201,18 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-
                  "--disable-background-networking", "--disable-component-update"]
 
 
+@contextmanager
 def chromium():
-    """The system's Chromium under Playwright, as a context manager; fails (never skips) without
-    one: `make test` installs it. Use it from a module-scoped fixture: Playwright's sync API
-    keeps an event loop of its own, which must not outlive the module (nbmake runs asyncio)."""
-    from contextlib import contextmanager
-
+    """The system's Chromium under Playwright; fails (never skips) without one: `make test`
+    installs it. Open it per module, not per session: Playwright's sync API keeps an event
+    loop of its own, which must not outlive the module (nbmake runs asyncio)."""
     from playwright.sync_api import sync_playwright
 
-    @contextmanager
-    def launched():
-        if not Path(CHROMIUM).exists():
-            pytest.fail(f"no Chromium at {CHROMIUM}: `make test` installs it (apt-get install chromium)")
-        with sync_playwright() as pw:
-            browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-            try:
-                yield browser
-            finally:
-                browser.close()
-
-    return launched()
-
+    if not Path(CHROMIUM).exists():
+        pytest.fail(f"no Chromium at {CHROMIUM}: `make test` installs it (apt-get install chromium)")
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            yield browser
+        finally:
+            browser.close()
