@@ -29,13 +29,14 @@ checksum = $(shell printf '%s' $(1) | cksum | cut -d' ' -f1)
 TORCH_STAMP := $(VENV)/.torch-$(call checksum,'$(TORCH_SPEC) $(TORCH_INDEX)')
 STAMP := $(VENV)/.zerokit-$(shell cksum < pyproject.toml | cut -d' ' -f1)-$(call checksum,'$(CURDIR)')
 
-.PHONY: setup sandbox lab demo test lessons grade grades-csv bench clean help
+.PHONY: setup sandbox lab demo test lessons grade grades-csv bench gpu-check clean help
 
 help:
 	@echo "make lab      install (first time) and start JupyterLab on lessons/"
 	@echo "make test     install (first time) and run every test"
 	@echo "make demo     a one-minute headless tour: memory and communication, measured"
 	@echo "make bench    zerokit against PyTorch's own ZeRO implementations"
+	@echo "make gpu-check  every CUDA path of the course on this machine's GPU, one table (installs nothing)"
 	@echo "make lessons  regenerate lessons/ from solutions/ (nbgrader)"
 	@echo "make grade    autograde $(SUBMISSIONS)/<student>/<lesson>/ (nbgrader), each notebook behind bubblewrap"
 	@echo "make grades-csv  rewrite grades.csv from gradebook.db (e.g. after grading by hand in the formgrader)"
@@ -101,6 +102,12 @@ grades-csv: setup
 
 bench: setup
 	$(BIN)/python -m zerokit.bench
+
+# No setup: a GPU machine has its own CUDA build of torch, and may reach no package index.
+# The .venv's python if there is one (GPU_PYTHON=... picks another), else the machine's python3.
+GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
+gpu-check:
+	PYTHONPATH=$(CURDIR) $(GPU_PYTHON) -m zerokit.bench.gpu_check
 
 clean:
 	rm -rf $(if $(filter .venv,$(VENV)),$(VENV)) .pytest_cache gradebook.db autograded feedback release grades.csv bench-results test-artifacts

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import CommCounter
+from ..launcher import rank_device
 from .compare import assert_close
 from .harness import CheckFailed, passed, run_on_ranks
 from .kit import alias
@@ -18,8 +19,10 @@ __all__ = ["check_numerics", "check_traffic"]
 
 
 def _inputs(rank, n, dtype=torch.float32):
+    """This rank's input, on the rank's device (the CPU under gloo; a GPU under NCCL, or under
+    gloo with ZEROKIT_DEVICE=cuda, as `make gpu-check` runs this check)."""
     g = torch.Generator().manual_seed(1000 * rank + n)
-    return torch.randn(n, generator=g).to(dtype)
+    return torch.randn(n, generator=g).to(dtype).to(rank_device())
 
 
 def _call(fn, x):
@@ -28,6 +31,9 @@ def _call(fn, x):
         raise AssertionError("my_all_reduce returned None: return the summed tensor")
     if not isinstance(out, torch.Tensor):
         raise AssertionError(f"my_all_reduce returned a {type(out).__name__}, not a tensor")
+    if out.device != x.device:
+        raise AssertionError(f"my_all_reduce returned a tensor on {out.device} for an input on {x.device}: "
+                             "create every buffer on the input's device (device=tensor.device)")
     return out
 
 
@@ -37,7 +43,7 @@ def _close(a, b):
 
 def _why_wrong(out, expected, mine, world_size):
     """Which classic mistake turns the inputs into this wrong result, in a sentence; '' if none."""
-    out = out.detach().cpu()
+    out, expected, mine = out.detach().cpu(), expected.cpu(), mine.cpu()
     if _close(out * world_size, expected):
         return (f". It is the sum divided by N = {world_size}, the mean: an all-reduce sums (ReduceOp.SUM), "
                 "so do not divide")

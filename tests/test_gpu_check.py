@@ -1,0 +1,131 @@
+"""`make gpu-check` (zerokit.bench.gpu_check) between GPU runs: it cannot rot on a CPU-only CI.
+
+- without a GPU the command says so in one line and exits 0;
+- --rehearse runs every row group on the CPU (gloo; "disk" for pinned offload; the CUDA
+  counters "n/a"): the rows' own numerics, memory and checkpoint comparisons must all pass;
+- every CUDA branch in zerokit's source has a row (COVERS), and the scanner finds a planted one;
+- a group that raises becomes one failed row and the command exits 1; the table says so.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import CheckFailed
+from zerokit.bench import gpu_check
+from zerokit.bench.gpu_check import COVERS, GROUPS, Row, Target, cuda_branches, format_table, run_checks
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _command(*args, env=None, timeout=300):
+    return subprocess.run([sys.executable, "-m", "zerokit.bench.gpu_check", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: `make gpu-check` runs the real rows")
+def test_without_a_gpu_it_says_so_in_one_line_and_exits_0():
+    done = _command()
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.strip().splitlines()
+    assert len(lines) == 1 and "no CUDA GPU" in lines[0], done.stdout
+
+
+@pytest.mark.distributed
+def test_the_rehearsal_runs_every_row_on_the_cpu(tmp_path):
+    done = _command("--rehearse", "--out", str(tmp_path), timeout=400)
+    report = json.loads((tmp_path / "gpu-check.json").read_text())
+    failed = [r for r in report["rows"] if not r["ok"]]
+    assert done.returncode == 0 and not failed, done.stdout[-4000:] + done.stderr[-2000:]
+    paths = [r["path"] for r in report["rows"]]
+    for stage in ("ddp", "zero1", "zero2", "zero3"):
+        for precision in ("fp32", "bf16", "fp16"):
+            assert f"gloo N=1 {stage} {precision}" in paths
+        assert f"gloo N=2 on cpu {stage} fp32" in paths
+        assert f"memory N=2 {stage}" in paths
+        assert any(p.startswith(f"bench N=1 {stage}") for p in paths)
+    assert {"launch backend=auto", "checkpoint zero2", "checkpoint zero3", "lesson 00 checks on cpu"} <= set(paths)
+    assert sum(p.startswith("offload=disk") for p in paths) == len(gpu_check.OFFLOAD_RUNS)
+    # the same table on stdout, ending in the verdict
+    assert done.stdout.rstrip().endswith(f"{len(paths)} of {len(paths)} rows ok")
+
+
+def test_every_cuda_branch_of_zerokit_has_a_row():
+    branches = cuda_branches()
+    covered = {b for group in COVERS.values() for b in group}
+    assert branches, "the scanner found no CUDA branch at all: it is broken"
+    missing = sorted(set(branches) - covered)
+    assert not missing, f"CUDA branches with no gpu-check row (add one, and name it in COVERS): {missing}"
+    stale = sorted(covered - set(branches))
+    assert not stale, f"COVERS names code that no longer branches on CUDA: {stale}"
+    assert set(COVERS) <= {name for name, _ in GROUPS}
+
+
+def test_the_scanner_finds_each_kind_of_cuda_branch(tmp_path):
+    pkg = tmp_path / "zerokit"
+    pkg.mkdir()
+    (pkg / "planted.py").write_text(
+        "import torch\n"
+        "def on_device(t):\n    return 1 if t.device.type == 'cpu' else 2\n"
+        "class Holder:\n    def sync(self):\n        torch.cuda.synchronize()\n"
+        "def pick(name):\n    return name == 'nccl'\n"
+        "def plain(t):\n    '''mentions cuda only in words'''\n    return t + 1\n")
+    assert cuda_branches(tmp_path) == ["zerokit/planted.py:Holder.sync", "zerokit/planted.py:on_device",
+                                       "zerokit/planted.py:pick"]
+
+
+def test_a_group_that_raises_is_one_failed_row_and_the_others_still_run(monkeypatch):
+    def broken(target):
+        """A group that crashes."""
+        raise RuntimeError("boom\nsecond line")
+
+    def fine(target):
+        return [Row("fine", "nothing", True, "1.0")]
+
+    monkeypatch.setattr(gpu_check, "GROUPS", [("broken", broken), ("fine", fine)])
+    said = []
+    rows = run_checks(Target("cpu"), "unused", echo=said.append)
+    assert [(r.path, r.ok) for r in rows] == [("broken", False), ("fine", True)]
+    assert rows[0].figure == "RuntimeError: boom" and rows[0].compared == "A group that crashes."
+    assert any("Traceback" in s for s in said)
+    table = format_table(rows)
+    assert table.splitlines()[0].split() == ["path", "compared", "result", "figure"]
+    assert "FAIL" in table and table.endswith("1 of 2 rows ok; FAILED: broken")
+
+
+def test_main_exits_1_when_a_row_fails(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(gpu_check, "GROUPS", [("bad", lambda target: [Row("bad", "x", False, "2 > 1")])])
+    assert gpu_check.main(["--rehearse", "--out", str(tmp_path)]) == 1
+    assert "0 of 1 rows ok; FAILED: bad" in capsys.readouterr().out
+    assert json.loads((tmp_path / "gpu-check.json").read_text())["rows"][0]["ok"] is False
+
+
+def test_rank_device_under_gloo_follows_zerokit_device(monkeypatch):
+    from zerokit.launcher.backend import rank_device
+
+    monkeypatch.delenv("ZEROKIT_DEVICE", raising=False)
+    assert rank_device() == torch.device("cpu")
+    monkeypatch.setenv("ZEROKIT_DEVICE", "gpu")
+    with pytest.raises(ValueError, match="'cpu' or 'cuda'"):
+        rank_device()
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("ZEROKIT_DEVICE", "cuda")
+        with pytest.raises(RuntimeError, match="sees no CUDA GPU"):
+            rank_device()
+
+
+@pytest.mark.distributed
+def test_lesson00_says_when_the_result_is_on_another_device():
+    """The device check gpu-check relies on, shown on the CPU: a result on another device (meta here,
+    a CPU tensor for a GPU input there) fails with the reason, not a confusing comparison."""
+    from zerokit.grading import lesson00
+
+    def elsewhere(tensor):
+        return torch.empty(tensor.shape, device="meta")
+
+    with pytest.raises(CheckFailed, match="returned a tensor on meta for an input on cpu"):
+        lesson00.check_numerics(elsewhere)

@@ -1,0 +1,571 @@
+r"""`make gpu-check`: every CUDA path of the course, in one command on one GPU, as one table.
+
+    PYTHONPATH=. python3 -m zerokit.bench.gpu_check           # a GPU machine, its own torch, nothing installed
+    make gpu-check                                            # the same (the .venv's python if there is one)
+    python -m zerokit.bench.gpu_check --rehearse              # the same rows on the CPU (make test runs it)
+
+The course is built and tested on CPUs (gloo); its CUDA paths are the branches that only a
+GPU takes: NCCL and the device a rank computes on (zerokit.launcher.backend), the CUDA memory
+counters (zerokit.memory, the bench's accounting), pinned-memory offload (zerokit.offload),
+checkpoint files written from GPU tensors, the bench's timing. One row per path and what it
+was compared with; the command exits 1 if any row fails, 0 otherwise, and 0 with one line
+where there is no GPU. `cuda_branches()` lists every such branch in zerokit's source, and
+tests/test_gpu_check.py fails when one has no row here (COVERS).
+
+One GPU and several ranks: NCCL refuses two ranks on one device, so with fewer GPUs than ranks
+the course runs gloo, its ranks on the CPU (a laptop's setting: `zerokit.rank_device()`).
+`ZEROKIT_DEVICE=cuda` puts gloo's ranks on the GPU, sharing it; the two-rank rows below run
+that way, gloo moving CUDA tensors through host memory.
+
+--rehearse runs every row on the CPU (gloo; "disk" stands in for pinned-memory offload; the
+CUDA counters read "n/a"), so the rows' own logic is tested between GPU runs.
+"""
+
+import argparse
+import ast
+import contextlib
+import gc
+import io
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import zerokit
+from zerokit.bench.stages import STAGES, make_optimizer
+from zerokit.bench.workload import MODELS, make_model, rank_batch
+from zerokit.launcher.backend import DEVICE_ENV
+from zerokit.memory import MemoryProbe, census, theory_bytes
+from zerokit.mixed_precision import MixedPrecision
+from zerokit.models import build_model, model_loss, num_parameters
+from zerokit.reference import global_batch, rank_slice
+
+KIND, BATCH, STEPS, LR, WD = "transformer", 12, 8, 1e-2, 0.1  # the zoo's transformer memorises one batch
+FP32_ATOL = 1e-5  # the graders' fp32 tolerance (zerokit.grading.compare.TOLERANCES)
+MIXED_LOSS_RTOL = 0.05  # per step, 16-bit vs fp32 (as tests/test_mixed_precision.py)
+MEMORY_RTOL = 0.01  # census vs the paper's formula at rest: padding only
+CUDA_SLACK = (0.05, 2**20)  # cuda allocated vs census: the allocator's rounding (rtol, bytes)
+LAUNCH_TIMEOUT = 180.0
+
+
+@dataclass
+class Row:
+    path: str  # which CUDA path
+    compared: str  # with what
+    ok: bool
+    figure: str  # the number that decided it
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where the rows run: "cuda" (the check) or "cpu" (--rehearse)."""
+
+    device: str
+
+    @property
+    def gpu(self):
+        return self.device == "cuda"
+
+    @property
+    def preset(self):  # the bench preset for memory, offload and timing rows
+        return "small" if self.gpu else "tiny"
+
+
+# ---------------------------------------------------------------------------------------
+# inside the ranks
+
+
+def _loss(model, x, y):
+    return model_loss(KIND, model(x).float(), y)
+
+
+def _batch(rank, world_size, device):
+    """The batch every step memorises (the zoo's global batch 0), this rank's slice of it."""
+    x, y = global_batch(KIND, 0, BATCH)
+    return rank_slice(x, rank, world_size).to(device), rank_slice(y, rank, world_size).to(device)
+
+
+def _reference(device):
+    """One process, torch.optim.AdamW (foreach=False), the whole batch: losses and final weights."""
+    model = build_model(KIND).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, foreach=False)
+    x, y = _batch(0, 1, device)
+    losses = []
+    for _ in range(STEPS):
+        loss = _loss(model, x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {n: p.detach().float().cpu() for n, p in model.named_parameters()}
+
+
+def _full_weights(stage, model, opt):
+    gathered = opt.gathered() if stage == "zero3" else contextlib.nullcontext()
+    with gathered:  # copies: ZeRO-3 frees the gathered storage on leaving the block
+        return {n: p.detach().to("cpu", torch.float32, copy=True) for n, p in model.named_parameters()}
+
+
+def _train(rank, world_size, stage, precision, device, offload=None, model=None):
+    """A zerokit stage on this rank's slice of the batch: mean loss per step, final weights, the optimizer
+    and the model."""
+    model = model or build_model(KIND).to(device)
+    where = {} if offload is None else {"offload": offload}  # DistributedAdam has no offload=
+    opt = make_optimizer(stage, model, lr=LR, weight_decay=WD, precision=precision, **where)
+    x, y = _batch(rank, world_size, device)
+    losses = []
+    for _ in range(STEPS):
+        loss = _loss(model, x, y)
+        opt.scale_loss(loss).backward()
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().float().reshape(1)
+        dist.all_reduce(mean)
+        losses.append(mean.item() / world_size)
+    return losses, _full_weights(stage, model, opt), opt, model
+
+
+def _max_diff(a, b):
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def _against_adamw(rank, world_size, runs):
+    """Each (stage, precision name) of `runs` against one-process AdamW on this rank's device."""
+    device = zerokit.rank_device()
+    ref_losses, ref_weights = _reference(device)
+    out = []
+    for stage, name in runs:
+        precision = None if name == "fp32" else MixedPrecision(name)
+        try:
+            losses, weights, opt, _ = _train(rank, world_size, stage, precision, device)
+        except Exception as exc:  # one stage's failure is its own row, not the group's
+            out.append((stage, name, None, f"{type(exc).__name__}: {exc}".splitlines()[0]))
+            continue
+        if precision is None:
+            out.append((stage, name, _max_diff(weights, ref_weights), None))
+        else:
+            rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+            out.append((stage, name, rel, {"first": losses[0], "last": losses[-1], "scale": opt.precision.loss_scale,
+                                           "fell": losses[-1] < 0.8 * losses[0]}))
+    return {"device": str(device), "backend": dist.get_backend(), "runs": out}
+
+
+def _probe_launch(rank, world_size):
+    t = torch.ones(3, device=zerokit.rank_device()) * (rank + 1)
+    dist.all_reduce(t)
+    return {"backend": dist.get_backend(), "device": str(zerokit.rank_device()), "sum": t.tolist()}
+
+
+def _allocated(device):
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else None
+
+
+def _memory(rank, world_size, preset):
+    """Per stage, at rest (after step, before zero_grad): the paper's formula, the census, the CUDA counters.
+
+    The CUDA counter and the census are both taken as growth over a baseline read after a warm-up
+    forward and backward: the CUDA counter also holds what torch allocates once per process (cuBLAS's
+    workspaces), which no tensor of the model stands for."""
+    device = zerokit.rank_device()
+    cfg = MODELS[preset]
+    wx, wy = rank_batch(MODELS["tiny"], 0, rank, world_size, device)
+    model_loss("transformer", make_model(MODELS["tiny"], device, seed=0)(wx), wy).backward()
+    del wx, wy
+    gc.collect()
+    base_cuda, base_census = _allocated(device), census(None, None, device.type)["total"]
+    out = []
+    for stage in STAGES:
+        model = make_model(cfg, device, seed=0)
+        psi = num_parameters(model)
+        opt = make_optimizer(stage, model, lr=1e-3)
+        x, y = rank_batch(cfg, 0, rank, world_size, device)
+        with MemoryProbe(model, opt, device=device.type) as probe:
+            model_loss("transformer", model(x), y).backward()
+            opt.step()
+        gc.collect()
+        held = census(model, opt, device.type)
+        cuda = _allocated(device)
+        out.append({"stage": stage, "psi": psi, "theory": theory_bytes(psi, stage, world_size), "census": held,
+                    "census_growth": held["total"] - base_census,
+                    "cuda_growth": None if cuda is None else cuda - base_cuda,
+                    "cuda_peak": probe.cuda_peak, "census_peak": probe.peak["total"]})
+        opt.zero_grad()
+        del model, opt, probe, x, y
+        gc.collect()
+    return out
+
+
+def _offload(rank, world_size, preset, place, runs):
+    """Each (stage, precision) with offload=place against the same optimizer in device memory."""
+    device = zerokit.rank_device()
+    cfg = MODELS[preset]
+    out = []
+    for stage, name in runs:
+        precision = None if name == "fp32" else MixedPrecision(name)
+        rest = {}
+        weights = {}
+        for where in (None, place):
+            gc.collect()  # what the last run left in reference cycles is gone before the baseline
+            before = _allocated(device)
+            model = make_model(cfg, device, seed=0)
+            opt = make_optimizer(stage, model, lr=1e-3, precision=precision, offload=where)
+            for step in range(3):
+                x, y = rank_batch(cfg, step, rank, world_size, device)
+                opt.scale_loss(model_loss("transformer", model(x).float(), y)).backward()
+                opt.step()
+                if step < 2:
+                    opt.zero_grad()
+            gc.collect()
+            rest[where] = None if before is None else _allocated(device) - before
+            weights[where] = _full_weights(stage, model, opt)
+            psi = num_parameters(model)
+            opt.zero_grad()
+            del model, opt
+        out.append({"stage": stage, "precision": name, "diff": _max_diff(weights[place], weights[None]),
+                    "freed": None if rest[None] is None else rest[None] - rest[place],
+                    "theory": theory_bytes(psi, stage, world_size, "fp32" if precision is None else "mixed")[
+                        "optimizer_states"]})
+    return out
+
+
+def _checkpoint(rank, world_size, stages, folder):
+    """Save after two steps, load into a fresh model and optimizer: weights and m, v bit for bit."""
+    device = zerokit.rank_device()
+    out = []
+    for stage in stages:
+        path = os.path.join(folder, stage)
+        _, saved, opt, trained = _train(rank, world_size, stage, None, device)
+        saved_state = [(s.exp_avg.cpu(), s.exp_avg_sq.cpu()) for s in opt.state_shards()]
+        zerokit.checkpoint.save(path, trained, opt)
+        model = build_model(KIND).to(device)
+        fresh = make_optimizer(stage, model, lr=LR, weight_decay=WD)
+        zerokit.checkpoint.load(path, model, fresh)
+        loaded = _full_weights(stage, model, fresh)
+        state = [(s.exp_avg.cpu(), s.exp_avg_sq.cpu()) for s in fresh.state_shards()]
+        same = all(torch.equal(loaded[k], saved[k]) for k in saved) and all(
+            torch.equal(a, b) for pair, other in zip(saved_state, state) for a, b in zip(pair, other))
+        out.append({"stage": stage, "same": same, "bytes": sum(f.stat().st_size for f in Path(path).iterdir())})
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# the rows, in the launching process
+
+
+def _launch(fn, world_size, *args, env=None, backend="auto", launcher="forkserver"):
+    return zerokit.launch(fn, world_size, args=args, backend=backend, launcher=launcher, timeout=LAUNCH_TIMEOUT,
+                          echo=False, env=env)
+
+
+def environment(target):
+    """What this machine is: torch, its CUDA build, the GPU, NCCL."""
+    if not target.gpu:
+        return [Row("environment", "torch build, GPU, NCCL", True,
+                    f"torch {torch.__version__}, no GPU (rehearsal on the CPU)")]
+    props = torch.cuda.get_device_properties(0)
+    nccl = torch.cuda.nccl.version() if dist.is_nccl_available() else "none"
+    nccl = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)  # an int in older torch
+    return [Row("environment", "torch build, GPU, NCCL", True,
+                f"torch {torch.__version__} (CUDA {torch.version.cuda}), {props.name} "
+                f"{props.total_memory / 2**30:.0f} GiB x{torch.cuda.device_count()}, NCCL {nccl}")]
+
+
+def launch_auto(target):
+    """zerokit.launch(backend="auto") at world size 1 under torchrun: NCCL on cuda:0 (gloo on cpu rehearsing)."""
+    got = _launch(_probe_launch, 1, launcher="torchrun")[0]
+    want = ("nccl", "cuda:0") if target.gpu else ("gloo", "cpu")
+    ok = (got["backend"], got["device"]) == want and got["sum"] == [1.0, 1.0, 1.0]
+    return [Row("launch backend=auto", f"expects {want[0]} on {want[1]}, an all-reduce", ok,
+                f"{got['backend']} on {got['device']}, all-reduce {got['sum']}")]
+
+
+def _stage_rows(label, result):
+    rows = []
+    for stage, name, value, extra in result["runs"]:
+        path = f"{label} {stage} {name}"
+        if value is None:
+            rows.append(Row(path, "vs torch.optim.AdamW", False, extra))
+        elif name == "fp32":
+            rows.append(Row(path, f"weights after {STEPS} steps vs torch.optim.AdamW, |d| <= {FP32_ATOL:g}",
+                            value <= FP32_ATOL, f"max |d| {value:.1e}"))
+        else:
+            ok = value <= MIXED_LOSS_RTOL and extra["fell"]
+            rows.append(Row(path, f"loss per step vs fp32 AdamW within {MIXED_LOSS_RTOL:.0%}, and falling", ok,
+                            f"max rel d {value:.1e}, loss {extra['first']:.2f} -> {extra['last']:.2f}, "
+                            f"scale {extra['scale']:g}"))
+    return rows
+
+
+ALL_RUNS = [(s, p) for p in ("fp32", "bf16", "fp16") for s in STAGES]
+
+
+def single_rank(target):
+    """Every stage in fp32, bf16 and fp16 at world size 1 on NCCL, against AdamW on the same GPU."""
+    result = _launch(_against_adamw, 1, ALL_RUNS)[0]
+    return _stage_rows(f"{result['backend']} N=1", result)
+
+
+def shared_gpu(target):
+    """Two ranks on one GPU: gloo with CUDA tensors (ZEROKIT_DEVICE=cuda), each stage in fp32."""
+    runs = [(s, "fp32") for s in STAGES]
+    result = _launch(_against_adamw, 2, runs, env={DEVICE_ENV: target.device}, backend="gloo")[0]
+    return _stage_rows(f"gloo N=2 on {result['device']}", result)
+
+
+def memory(target):
+    """The CUDA counters beside zerokit.memory's census and the paper's formula, per stage, N = 2."""
+    per_rank = _launch(_memory, 2, target.preset, env={DEVICE_ENV: target.device}, backend="gloo")
+    rows = []
+    for r in per_rank[0]:
+        model_state = {k: r["census"][k] for k in ("parameters", "gradients", "optimizer_states")}
+        off = max(abs(model_state[k] - r["theory"][k]) / r["theory"][k] for k in model_state)
+        held, cuda = sum(model_state.values()), r["cuda_growth"]
+        ok = off <= MEMORY_RTOL
+        figure = f"theory {r['theory']['total'] / 2**20:.2f} MiB, census {held / 2**20:.2f}"
+        if cuda is None:
+            figure += ", CUDA counters n/a (cpu)"
+        else:
+            rtol, slack = CUDA_SLACK
+            total = r["census_growth"]
+            ok = ok and total <= cuda <= total * (1 + rtol) + slack and r["cuda_peak"] >= r["census_peak"]
+            figure += (f" (all live {total / 2**20:.2f}), cuda allocated {cuda / 2**20:.2f}; "
+                       f"peak cuda {r['cuda_peak'] / 2**20:.2f} >= census {r['census_peak'] / 2**20:.2f}")
+        rows.append(Row(f"memory N=2 {r['stage']}",
+                        "at rest: census vs the 4+4+8 Psi formula; cuda allocated vs census; peaks",
+                        ok, figure))
+    return rows
+
+
+OFFLOAD_RUNS = [("zero1", "fp32"), ("zero2", "fp32"), ("zero3", "fp32"), ("zero2", "bf16")]
+
+
+def offload(target):
+    """offload="cpu" (pinned host memory, Adam on the CPU) against the optimizer in GPU memory."""
+    place = "cpu" if target.gpu else "disk"
+    per_rank = _launch(_offload, 1, target.preset, place, OFFLOAD_RUNS)
+    rows = []
+    for r in per_rank[0]:
+        ok = r["diff"] <= FP32_ATOL
+        figure = f"max |d| {r['diff']:.1e}"
+        if r["freed"] is None:
+            figure += ", device memory n/a (cpu)"
+        else:
+            ok = ok and abs(r["freed"] - r["theory"]) <= 0.05 * r["theory"] + 2**20
+            figure += f", frees {r['freed'] / 2**20:.2f} MiB of GPU memory (theory K Psi = {r['theory'] / 2**20:.2f})"
+        rows.append(Row(f"offload={place} {r['stage']} {r['precision']}",
+                        "weights after 3 steps vs in-memory state; GPU bytes freed vs K Psi", ok, figure))
+    return rows
+
+
+def checkpoint(target):
+    """zerokit.checkpoint save and load from GPU tensors (the files' device branches)."""
+    with tempfile.TemporaryDirectory(prefix="zerokit-gpu-check-") as folder:
+        per_rank = _launch(_checkpoint, 1, ("zero2", "zero3"), folder)
+    return [Row(f"checkpoint {r['stage']}", "save, load into a fresh model: weights, m, v bit for bit", r["same"],
+                f"{r['bytes'] / 2**10:.0f} KiB written, {'equal' if r['same'] else 'DIFFERENT'}")
+            for r in per_rank[0]]
+
+
+def bench(target, out_dir):
+    """The bench at world size 1: each zerokit stage beside its PyTorch peer, same model and data."""
+    from zerokit.bench.runner import run
+
+    steps = 10 if target.gpu else 2
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+        summary = run(world_size=1, model=target.preset, steps=steps, warmup=1, out_dir=out_dir, make_plot=False,
+                      timeout=LAUNCH_TIMEOUT * 2)
+    configs = {c["name"]: c for c in summary["configs"]}
+    rows = []
+    for r in summary["ratios"]:
+        mine, peer = configs[r["zerokit"]], configs[r["peer"]]
+        dloss = max(abs(mine["loss"]["final_diff"]), abs(peer["loss"]["final_diff"]))
+        rows.append(Row(f"bench N=1 {r['stage']} ({summary['meta']['device']})",
+                        f"{mine['label']} vs {peer['label']}: final loss within 1e-3", dloss <= 1e-3,
+                        f"{mine['step_time_s']['median'] * 1e3:.1f} vs {peer['step_time_s']['median'] * 1e3:.1f} "
+                        f"ms/step ({r['time']:.2f}x), peak memory {r['memory']:.2f}x, |dloss| {dloss:.1e}"))
+    return rows
+
+
+def _all_reduce(tensor):
+    """Lesson 00's exercise, done right: every buffer on the input's device."""
+    from zerokit.comm import all_gather, reduce_scatter
+
+    n, numel = dist.get_world_size(), tensor.numel()
+    chunk = -(-numel // n)
+    padded = torch.zeros(chunk * n, dtype=tensor.dtype, device=tensor.device)
+    padded[:numel] = tensor.reshape(-1)
+    mine = torch.empty(chunk, dtype=tensor.dtype, device=tensor.device)
+    reduce_scatter(mine, padded)
+    all_gather(padded, mine)
+    return padded[:numel].view_as(tensor).clone()
+
+
+def _all_reduce_on_cpu(tensor):
+    """The classic slip the lessons warn about: buffers made without device= land on the CPU."""
+    from zerokit.comm import all_gather, reduce_scatter
+
+    n, numel = dist.get_world_size(), tensor.numel()
+    chunk = -(-numel // n)
+    padded = torch.zeros(chunk * n, dtype=tensor.dtype)
+    padded[:numel] = tensor.reshape(-1)
+    mine = torch.empty(chunk, dtype=tensor.dtype)
+    reduce_scatter(mine, padded)
+    all_gather(padded, mine)
+    return padded[:numel].view_as(tensor).clone()
+
+
+def lesson_checks(target):
+    """Lesson 00's graded checks on the rank's device: a right answer passes; one that allocates on the
+    CPU fails on a GPU (and passes on a laptop's CPU, as the lesson says)."""
+    from zerokit.grading import lesson00
+    from zerokit.grading.harness import CheckFailed
+
+    before = os.environ.get(DEVICE_ENV)
+    os.environ[DEVICE_ENV] = target.device  # the ranks inherit it: their rank_device()
+    try:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            lesson00.check_numerics(_all_reduce)
+            lesson00.check_traffic(_all_reduce)
+            try:
+                lesson00.check_numerics(_all_reduce_on_cpu)
+                slip = "passed"
+            except CheckFailed as exc:
+                slip = "failed: " + str(exc).splitlines()[0]
+    finally:
+        if before is None:
+            os.environ.pop(DEVICE_ENV)
+        else:
+            os.environ[DEVICE_ENV] = before
+    expected_slip = "failed" if target.gpu else "passed"
+    return [Row(f"lesson 00 checks on {target.device}", "right answer passes both checks; CPU buffers "
+                + ("fail" if target.gpu else "pass on cpu"), slip.startswith(expected_slip),
+                f"right: passed; CPU buffers: {slip[:110]}")]
+
+
+# Every CUDA branch in zerokit (cuda_branches()) -> the row group that runs it.
+COVERS = {
+    "launch_auto": ["zerokit/launcher/backend.py:resolve_backend", "zerokit/launcher/backend.py:rank_device",
+                    "zerokit/launcher/worker.py:main"],
+    "memory": ["zerokit/memory.py:MemoryProbe.__enter__", "zerokit/memory.py:MemoryProbe.__exit__"],
+    "offload": ["zerokit/offload.py:offload_place", "zerokit/offload.py:PinnedPlace.__init__",
+                "zerokit/offload.py:PinnedPlace.begin", "zerokit/zero1.py:ShardedAdamState.update"],
+    "checkpoint": ["zerokit/checkpoint/files.py:write_tensors", "zerokit/checkpoint/files.py:read_into"],
+    "bench": ["zerokit/bench/accounting.py:allocated_bytes", "zerokit/bench/accounting.py:Instrument.__enter__",
+              "zerokit/bench/accounting.py:Instrument.__exit__", "zerokit/bench/runs.py:run_stage",
+              "zerokit/bench/systems.py:_torch_peer", "zerokit/bench/timing.py:sync"],
+}
+
+GROUPS = [("environment", environment), ("launch_auto", launch_auto), ("single_rank", single_rank),
+          ("shared_gpu", shared_gpu), ("memory", memory), ("offload", offload), ("checkpoint", checkpoint),
+          ("bench", bench), ("lesson_checks", lesson_checks)]
+
+
+# ---------------------------------------------------------------------------------------
+# the CUDA branches of zerokit's source
+
+
+def _is_cuda_test(node):
+    """A node that makes code depend on being on a GPU: torch.cuda.*, "cuda"/"nccl", `.type == "cpu"`."""
+    if isinstance(node, ast.Attribute) and node.attr == "cuda" and isinstance(node.value, ast.Name) \
+            and node.value.id == "torch":
+        return True
+    if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in ("cuda", "nccl"):
+        return True
+    if isinstance(node, ast.Compare) and isinstance(node.left, ast.Attribute) and node.left.attr == "type":
+        return any(isinstance(c, ast.Constant) and c.value in ("cpu", "cuda") for c in node.comparators)
+    return False
+
+
+def cuda_branches(root=None):
+    """Sorted "zerokit/<file>.py:<function>" for every function of zerokit whose code depends on a GPU
+    (grading and this module excepted: the checks only call what the lessons teach)."""
+    root = Path(root or Path(__file__).resolve().parents[2])
+    found = set()
+    for path in sorted((root / "zerokit").rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel.startswith("zerokit/grading/") or rel == "zerokit/bench/gpu_check.py":
+            continue
+        tree = ast.parse(path.read_text(), rel)
+
+        def visit(node, scope):
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    visit(child, scope + [child.name])
+                    continue
+                if scope and _is_cuda_test(child) and not isinstance(node, ast.Expr):
+                    found.add(f"{rel}:{'.'.join(scope)}")
+                visit(child, scope)
+
+        visit(tree, [])
+    return sorted(found)
+
+
+# ---------------------------------------------------------------------------------------
+# the table and the command
+
+
+def format_table(rows):
+    """The rows as a fixed-width table, then a verdict line."""
+    head = ("path", "compared", "result", "figure")
+    cells = [(r.path, r.compared, "ok" if r.ok else "FAIL", r.figure) for r in rows]
+    widths = [max(len(c[i]) for c in [head] + cells) for i in range(3)]
+    lines = ["  ".join(c[i].ljust(widths[i]) for i in range(3)) + "  " + c[3] for c in [head] + cells]
+    lines.insert(1, "-" * min(160, max(len(line) for line in lines)))
+    failed = [r.path for r in rows if not r.ok]
+    lines.append(f"{len(rows) - len(failed)} of {len(rows)} rows ok" + (f"; FAILED: {', '.join(failed)}" if failed
+                                                                          else ""))
+    return "\n".join(lines)
+
+
+def run_checks(target, out_dir, groups=None, echo=print):
+    """Run the row groups (all, or those named); a group that raises becomes one failed row."""
+    rows = []
+    for name, fn in GROUPS:
+        if groups and name not in groups:
+            continue
+        t0 = time.perf_counter()
+        try:
+            got = fn(target, out_dir) if name == "bench" else fn(target)
+        except Exception as exc:  # a group's crash or timeout is its row's verdict, the others still run
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            got = [Row(name, (fn.__doc__ or "").strip().splitlines()[0], False, f"{type(exc).__name__}: {first}"[:200])]
+            echo("".join(traceback.format_exception(exc))[-3000:])
+        for r in got:
+            echo(f"[{time.perf_counter() - t0:5.1f} s] {'ok  ' if r.ok else 'FAIL'} {r.path}: {r.figure}")
+        rows.extend(got)
+    return rows
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m zerokit.bench.gpu_check", description=__doc__.splitlines()[0])
+    parser.add_argument("--rehearse", action="store_true", help="run every row on the CPU (gloo), for the tests")
+    parser.add_argument("--groups", nargs="+", choices=[g for g, _ in GROUPS], help="only these row groups")
+    parser.add_argument("--out", default="bench-results", help="folder for gpu-check.json (and the bench's JSON)")
+    args = parser.parse_args(argv)
+    if not args.rehearse and not torch.cuda.is_available():
+        print(f"gpu-check: no CUDA GPU visible to torch {torch.__version__} (CUDA build: {torch.version.cuda}); "
+              f"nothing to check ({sys.executable}; GPU_PYTHON=... makes make gpu-check use another)")
+        return 0
+    target = Target("cpu" if args.rehearse else "cuda")
+    t0 = time.perf_counter()
+    rows = run_checks(target, args.out, args.groups)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    Path(args.out, "gpu-check.json").write_text(json.dumps(
+        {"device": target.device, "torch": torch.__version__, "seconds": time.perf_counter() - t0,
+         "rows": [asdict(r) for r in rows]}, indent=1))
+    print(f"\ngpu-check on {target.device}, {time.perf_counter() - t0:.0f} s:")
+    print(format_table(rows))
+    return 0 if all(r.ok for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
