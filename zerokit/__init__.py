@@ -5,6 +5,7 @@ The course, one module per idea, in lesson order (each a small step from the las
     adam             01  Adam/AdamW by hand, a torch.optim.Optimizer
     ddp              02  DistributedAdam: all-reduce the mean gradient
     flat, zero1      03  flat padded buffers cut into N shards; ZeRO-1 shards Adam's state
+    elementwise      03  ZeRO1/ZeRO2 with any elementwise torch optimizer (why they shard for free)
     zero2            04  ZeRO-2: gradients reduce-scattered in buckets during backward
     zero3            05  ZeRO-3: ShardedParameters (gather, free) under ZeRO3Adam (the hooks)
     mixed_precision  06  16-bit compute, fp32 masters, the loss scaler, for every stage
@@ -32,6 +33,7 @@ from .offload import Offload
 from .zero1 import ZeRO1Adam
 from .zero2 import ZeRO2Adam
 from .zero3 import ZeRO3Adam
+from .elementwise import ZeRO1, ZeRO2
 from . import checkpoint  # lesson 07: zerokit.checkpoint.save / load / consolidate
 
 __version__ = "0.1.0"
@@ -40,5 +42,5 @@ __all__ = [
     "Adam", "adamw_update_", "DistributedAdam", "ZeRO1Adam", "ZeRO2Adam", "ZeRO3Adam",
     "launch", "rank_device", "LaunchError", "LaunchTimeout",
     "CommCounter", "theory_volume", "MemoryProbe", "census", "theory_bytes", "MixedPrecision",
-    "SavedActivations", "checkpoint_modules", "Offload",
+    "SavedActivations", "checkpoint_modules", "Offload", "ZeRO1", "ZeRO2",
 ]

@@ -88,6 +88,10 @@ class ShardedAdamState:
                 master = self.place.new_tensor("master", master.numel(), init=master.detach().float())
         self.master = master
 
+    def tensors(self):
+        """What this state holds, for the memory census: the master (if any), m and v."""
+        return [self.master, self.exp_avg, self.exp_avg_sq]
+
     def copy_master(self, shard):
         """Write the master's values into `shard` (a 16-bit shard of the weights)."""
         if self.place is None:
@@ -164,10 +168,14 @@ class ZeRO1Adam(torch.optim.Optimizer):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, group=None,
                  precision=None, offload=None):
-        if not dist.is_initialized():
-            raise RuntimeError(f"{type(self).__name__} needs torch.distributed to be initialised (see zerokit.launch)")
         check_hyperparameters(lr, betas, eps, weight_decay)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        self._shard(group, precision, offload)
+
+    def _shard(self, group, precision, offload):
+        """Cut the param groups into flat buckets and keep this rank's shard of the state of each."""
+        if not dist.is_initialized():
+            raise RuntimeError(f"{type(self).__name__} needs torch.distributed to be initialised (see zerokit.launch)")
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -177,24 +185,38 @@ class ZeRO1Adam(torch.optim.Optimizer):
         first = next((p for g in self.param_groups for p in g["params"]), None)
         # lesson 08: where the optimizer state lives (None: in memory, beside the parameters)
         self.offload = offload_place(offload, first.device if first is not None else "cpu")
-        self.buckets, self.bucket_group, self.shards = [], [], []
-        for gi, param_group in enumerate(self.param_groups):
+        self.buckets, self.bucket_group, self.shards, self.flat_params, self._grad_buffers = [], [], [], [], []
+        self._grad_cache = None  # this step's reduced gradient shards, once reduced (see _reduced_gradients)
+        self._shard_groups(0)
+
+    def _shard_groups(self, first):
+        """Shard param groups first, first + 1, ... (all of them at construction; beyond the exercise:
+        the one add_param_group added). Returns the indices of the new buckets."""
+        new = []
+        for gi in range(first, len(self.param_groups)):
+            param_group = self.param_groups[gi]
             trainable = [p for p in param_group["params"] if p.requires_grad]
-            broadcast_parameters(trainable, group)
+            broadcast_parameters(trainable, self.group)
             # lesson 06: frozen parameters compute in 16 bits too, and need no master
             self.precision.cast_parameters_([p for p in param_group["params"] if not p.requires_grad])
             by_dtype = {}  # a flat buffer holds one dtype on one device
             for p in trainable:
                 by_dtype.setdefault((p.dtype, p.device), []).append(p)
             for bucket in (b for ps in by_dtype.values() for b in self._make_buckets(ps)):
+                new.append(len(self.buckets))
                 self.buckets.append(bucket)
                 self.bucket_group.append(gi)
-                self.shards.append(ShardedAdamState(bucket, dtype=torch.float32, place=self.offload))
-        self.flat_params = [self._install_flat_params(i) for i in range(len(self.buckets))]
-        self._grad_buffers = [None] * len(self.buckets)  # flat gradients of this step, per bucket
-        self._grad_cache = None  # this step's reduced gradient shards, once reduced (see _reduced_gradients)
+                self.shards.append(self._new_state(bucket))
+        for i in new:
+            self.flat_params.append(self._install_flat_params(i))
+            self._grad_buffers.append(None)  # flat gradients of this step, per bucket
         if not self.reduces_in_backward:
-            self._hook_gradients()
+            self._hook_gradients(new)
+        return new
+
+    def _new_state(self, bucket):
+        """This rank's optimizer state for one bucket: Adam's m and v of its shard."""
+        return ShardedAdamState(bucket, dtype=torch.float32, place=self.offload)
 
     def _make_buckets(self, params):
         return [FlatBucket(params, self.world_size, self.rank)] if params else []
@@ -214,7 +236,7 @@ class ZeRO1Adam(torch.optim.Optimizer):
             p.data = view
         return flat
 
-    def _hook_gradients(self):
+    def _hook_gradients(self, buckets):
         """Make each gradient, as autograd writes it, a view of one flat buffer per bucket.
 
         Otherwise step() copies the gradients into a new flat buffer to reduce-scatter them,
@@ -222,7 +244,8 @@ class ZeRO1Adam(torch.optim.Optimizer):
         the gradients (PyTorch DDP's gradient_as_bucket_view). Not where gradients are
         reduced in another dtype than they are computed in: step() converts them by copying.
         """
-        for bi, bucket in enumerate(self.buckets):
+        for bi in buckets:
+            bucket = self.buckets[bi]
             if self.reduce_dtype in (None, bucket.params[0].dtype):
                 for j, p in enumerate(bucket.params):
                     p.register_post_accumulate_grad_hook(partial(weak_hook(self._grad_into_buffer), bi, j))
@@ -356,8 +379,7 @@ class ZeRO1Adam(torch.optim.Optimizer):
         return {
             "parameters": list(self.flat_params),
             "gradients": [b for b in self._grad_buffers if b is not None],
-            "optimizer_states": [t for s in self.shards for t in (s.master, s.exp_avg, s.exp_avg_sq)
-                                 if t is not None],
+            "optimizer_states": [t for s in self.shards for t in s.tensors() if t is not None],
         }
 
     # ---- lesson 07: what a checkpoint saves and restores -------------------------------

@@ -68,17 +68,27 @@ class ZeRO2Adam(ZeRO1Adam):
         self.bucket_mb = bucket_mb  # read by _make_buckets, which ZeRO1Adam.__init__ calls
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, group=group,
                          precision=precision, offload=offload)
-        self.grad_shards = [None] * len(self.buckets)  # this rank's shard of the mean gradient, per bucket
-        self._has_grad = [[False] * len(b.params) for b in self.buckets]
+
+    def _shard(self, group, precision, offload):
+        self.grad_shards = []  # this rank's shard of the mean gradient, per bucket
+        self._has_grad = []  # per bucket, per parameter: did it get a gradient in this step
         self._where = {}  # parameter -> (its bucket, its index in the bucket)
-        for bi, bucket in enumerate(self.buckets):
+        self._sync = True  # beyond the exercise: False inside no_sync()
+        super()._shard(group, precision, offload)
+
+    def _shard_groups(self, first):
+        new = super()._shard_groups(first)
+        for bi in new:
+            bucket = self.buckets[bi]
+            self.grad_shards.append(None)
+            self._has_grad.append([False] * len(bucket.params))
             for j, p in enumerate(bucket.params):
                 self._where[p] = (bi, j)
                 # weak_hook: a hook held by the parameter must not keep the optimizer alive
                 p.register_post_accumulate_grad_hook(weak_hook(self._mark_present))  # hooks run in this order
                 p.register_post_accumulate_grad_hook(weak_hook(self._on_grad_ready))
-        self._sync = True  # beyond the exercise: False inside no_sync()
         self._begin_backward()
+        return new
 
     def _make_buckets(self, params):
         # beyond the exercise (lesson 06): sized in the dtype the gradients will have, 16 bits
