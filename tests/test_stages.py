@@ -16,6 +16,10 @@ For each stage and N in (2, 3, 4), ONE launch runs every scenario and returns it
 Measured on this machine (2 CPU cores, torch 2.13): max abs diff to the reference over all
 steps, ranks and parameters is ~1e-7 to 4e-7 for every stage, model and N; the tolerance
 is 1e-5 (fp32 sums of N partial gradients in a different order, through 50 Adam steps).
+Bitwise equality cannot hold here: each rank's gradient comes from its own slice of the
+batch, and the sum of N partial gradients rounds differently from one backward over the
+whole batch (and at N = 3 even the mean of 3 identical values is inexact: x + x + x rounds).
+With identical data on 2 ranks every stage is bitwise the reference: tests/test_bitwise.py.
 """
 
 import functools
@@ -243,19 +247,21 @@ def check_trajectory(snaps_per_rank, ref_snaps, label):
     return worst
 
 
-def check_sharded_state(states_per_rank, ref_state, model_kind, world_size, label):
-    """Reassemble m and v from every rank's shards; each element owned exactly once."""
+def assemble_sharded_state(states_per_rank, model_kind, world_size, label):
+    """Reassemble m and v (flat, per trainable parameter) from every rank's shards, checking
+    that each rank holds 1/N of them and each element is owned exactly once. Also returns each
+    parameter's step counts, one per rank: {name: [step on rank 0, ...]}."""
     model = new_model(model_kind)
     numel = {n: p.numel() for n, p in model.named_parameters()}
     m = {n: torch.zeros(k) for n, k in numel.items()}
     v = {n: torch.zeros(k) for n, k in numel.items()}
     owned = {n: torch.zeros(k, dtype=torch.int64) for n, k in numel.items()}
+    steps = {}
     for rank, buckets in enumerate(states_per_rank):
         for b in buckets:
             assert b["exp_avg"].numel() == ceil_div(b["numel"], world_size), (label, "state is not 1/N")
             for i, name in enumerate(b["names"]):
-                want_step = ref_state[name]["step"] if name in ref_state else 0  # unused: never stepped
-                assert b["steps"][i] == want_step, (label, rank, name, b["steps"][i], want_step)
+                steps.setdefault(name, []).append(b["steps"][i])
             for index, s_lo, s_hi, p_lo, p_hi in b["segments"]:
                 name = b["names"][index]
                 m[name][p_lo:p_hi] = b["exp_avg"][s_lo:s_hi]
@@ -264,8 +270,24 @@ def check_sharded_state(states_per_rank, ref_state, model_kind, world_size, labe
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     for name in trainable:
         assert owned[name].eq(1).all(), f"{label}: {name} not owned by exactly one rank"
-        want_m = ref_state[name]["exp_avg"].reshape(-1) if name in ref_state else torch.zeros(numel[name])
-        want_v = ref_state[name]["exp_avg_sq"].reshape(-1) if name in ref_state else torch.zeros(numel[name])
+    return {n: m[n] for n in trainable}, {n: v[n] for n in trainable}, steps
+
+
+def reference_flat_state(ref_state, name, numel):
+    """torch.optim.AdamW's (step, m, v) of one parameter, m and v flat; (0, zeros, zeros) if it
+    has no state (an unused parameter is never stepped)."""
+    if name not in ref_state:
+        return 0, torch.zeros(numel), torch.zeros(numel)
+    s = ref_state[name]
+    return s["step"], s["exp_avg"].reshape(-1), s["exp_avg_sq"].reshape(-1)
+
+
+def check_sharded_state(states_per_rank, ref_state, model_kind, world_size, label):
+    """m, v and step counts from every rank's shards against torch.optim.AdamW's."""
+    m, v, steps = assemble_sharded_state(states_per_rank, model_kind, world_size, label)
+    for name in m:
+        want_step, want_m, want_v = reference_flat_state(ref_state, name, m[name].numel())
+        assert steps[name] == [want_step] * world_size, (label, name, steps[name], want_step)
         torch.testing.assert_close(m[name], want_m, rtol=1e-4, atol=1e-6, msg=f"{label} exp_avg {name}")
         torch.testing.assert_close(v[name], want_v, rtol=1e-4, atol=1e-8, msg=f"{label} exp_avg_sq {name}")
 

@@ -17,8 +17,6 @@ Every later optimizer in zerokit (data parallel, ZeRO-1/2/3, mixed precision) ca
 `adamw_update_` on whatever slice of the parameters it owns.
 """
 
-import math
-
 import torch
 
 __all__ = ["Adam", "adamw_update_"]
@@ -30,15 +28,20 @@ def adamw_update_(param, grad, exp_avg, exp_avg_sq, step, *, lr, beta1, beta2, e
 
     `step` is the 1-based count of this update, used for the bias correction.
     """
+    # The docstring's formulas in torch.optim.AdamW(foreach=False)'s order of operations
+    # (torch/optim/adam.py, `_single_tensor_adam`), so the result is bitwise PyTorch's: the
+    # same formula in another order can round differently in the last bit (lesson 01).
     if weight_decay != 0:
         param.mul_(1 - lr * weight_decay)
-    exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
+    exp_avg.lerp_(grad, 1 - beta1)  # m + (1 - beta1) * (g - m), which is beta1 * m + (1 - beta1) * g
     exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
     bias_correction1 = 1 - beta1**step
     bias_correction2 = 1 - beta2**step
-    # sqrt(v_hat) + eps, computed without materialising v_hat
-    denom = (exp_avg_sq.sqrt() / math.sqrt(bias_correction2)).add_(eps)
-    param.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
+    step_size = lr / bias_correction1
+    # sqrt(v_hat) + eps, computed without materialising v_hat; ** 0.5 as torch writes it
+    # (math.sqrt differs from it in the last bit of the float64 at some steps)
+    denom = (exp_avg_sq.sqrt() / bias_correction2**0.5).add_(eps)
+    param.addcdiv_(exp_avg, denom, value=-step_size)
 
 
 def check_hyperparameters(lr, betas, eps, weight_decay):
