@@ -25,6 +25,7 @@ nbgrader flow), bench/ (`make bench`, `make demo`).
 from .adam import Adam, adamw_update_
 from .comm import CommCounter, theory_volume
 from .ddp import DistributedAdam
+from .data_parallel import DataParallel
 from .launcher import LaunchError, LaunchTimeout, launch, rank_device
 from .activations import SavedActivations, checkpoint_modules
 from .memory import MemoryProbe, census, theory_bytes
@@ -40,6 +41,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Adam", "adamw_update_", "DistributedAdam", "ZeRO1Adam", "ZeRO2Adam", "ZeRO3Adam",
+    "DataParallel",
     "launch", "rank_device", "LaunchError", "LaunchTimeout",
     "CommCounter", "theory_volume", "MemoryProbe", "census", "theory_bytes", "MixedPrecision",
     "SavedActivations", "checkpoint_modules", "Offload", "ZeRO1", "ZeRO2",

@@ -1,0 +1,198 @@
+"""Data parallel as a module wrapper: lesson 02's all-reduce, moved into backward.
+
+    model = zerokit.DataParallel(model)          # ~ torch.nn.parallel.DistributedDataParallel
+    opt = torch.optim.AdamW(model.parameters())  # any optimizer: it sees ordinary .grad
+    loss_fn(model(x_local), y_local).backward(); opt.step(); opt.zero_grad()
+
+Lesson 02's DistributedAdam averages every gradient in step(), after backward is over: the
+network sits idle for the whole backward, then the computation sits idle for the whole
+all-reduce. Here the average is taken by the model instead of the optimizer, in buckets, as
+backward produces the gradients, so any torch optimizer finds the mean gradient in .grad and
+most of the communication overlaps the rest of backward (the buckets of the last layers,
+whose gradients come first, are on the wire while the first layers still differentiate).
+
+The bucket machinery is lesson 04's (zerokit/zero2.py) with an all-reduce for a
+reduce-scatter: buckets are filled from the last parameter backwards and sent strictly in
+order, so every rank issues the same collectives in the same order whatever order its
+gradients arrive in; a bucket goes when all its gradients are in; at the end of backward the
+rest go, and `finish_gradient_synchronization()` waits for them all.
+
+What is sent and how it is averaged, as in lesson 02's `average_gradients`: each bucket is a
+flat copy of its gradients (zeros where this rank has none) plus one presence slot per
+parameter, all-reduced with SUM and divided by N. A parameter with no gradient on any rank
+keeps .grad = None, so torch optimizers skip it as on one process. SUM-then-divide, not
+ReduceOp.AVG: it runs on every backend, and with two ranks holding the same gradient x,
+(x + x) / 2 is exactly x (gloo's AVG is the same sum and division, bitwise; NCCL's AVG
+multiplies each input by 1/N before summing, which at N = 3 rounds differently).
+
+Memory: .grad stays full size, as an optimizer needs it. The flat copies are what travels:
+at most `max_in_flight` buckets' copies exist at once; sending one more first waits for the
+oldest and writes its mean back into .grad. (PyTorch's DDP instead makes each .grad a view
+into its bucket, "gradient_as_bucket_view", which saves even those copies.)
+"""
+
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .ddp import broadcast_parameters
+from .flat import FlatBucket
+from .zero1 import weak_hook
+
+__all__ = ["DataParallel", "plan_buckets"]
+
+
+def plan_buckets(params, bucket_numel):
+    """Buckets of at most bucket_numel elements, filled from the last parameter to the first
+    (the order backward tends to produce them in); one dtype and device per bucket, since a
+    bucket travels as one flat tensor. A parameter larger than bucket_numel goes alone."""
+    buckets, current, size = [], [], 0
+    for p in reversed(list(params)):
+        if current and (size + p.numel() > bucket_numel
+                        or (p.dtype, p.device) != (current[0].dtype, current[0].device)):
+            buckets.append(FlatBucket(current, 1, 0))  # one "shard": an all-reduce keeps everything
+            current, size = [], 0
+        current.append(p)
+        size += p.numel()
+    if current:
+        buckets.append(FlatBucket(current, 1, 0))
+    return buckets
+
+
+class DataParallel(nn.Module):
+    """Replicate `module` on every rank of `group` and average its gradients during backward.
+
+    Parameters and buffers are broadcast from the group's rank 0 here, so every replica
+    starts equal. Frozen parameters (requires_grad=False) are not communicated; a parameter
+    used twice (tied) is one parameter and is sent once. As with DDP, every rank runs each
+    backward through the model: the collectives are matched across ranks, bucket by bucket.
+    bucket_mb: a bucket's size in MiB. Smaller buckets start sending earlier; larger ones make
+    fewer, more efficient collectives.
+    """
+
+    # flat copies waiting on the wire at most; sending one more first receives the oldest
+    max_in_flight = 2
+
+    def __init__(self, module, group=None, bucket_mb=25.0):
+        super().__init__()
+        if not dist.is_initialized():
+            raise RuntimeError("zerokit.DataParallel needs an initialised torch.distributed process group: "
+                               "run your code on several ranks with zerokit.launch (or torchrun)")
+        self.module = module
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        broadcast_parameters(list(module.parameters()) + list(module.buffers()), group)
+        trainable = [p for p in module.parameters() if p.requires_grad]  # parameters() yields a tied one once
+        itemsize = trainable[0].element_size() if trainable else 4
+        self.buckets = plan_buckets(trainable, max(1, int(bucket_mb * 2**20) // itemsize))
+        self._where = {}  # parameter -> its bucket's index
+        for bi, bucket in enumerate(self.buckets):
+            for p in bucket.params:
+                self._where[p] = bi
+                # weak: the parameter holds the hook, and must not keep this wrapper alive
+                p.register_post_accumulate_grad_hook(weak_hook(self._on_grad_ready))
+        self._sync = True  # False inside no_sync()
+        self._in_flight = []  # (work, bucket index, flat copy), oldest first
+        self._begin_backward()
+
+    def forward(self, *args, **kwargs):
+        if self._backward_task is not None:  # a backward raised before its end: start clean
+            self._drain()
+            self._begin_backward()
+        return self.module(*args, **kwargs)
+
+    def _begin_backward(self):
+        self._ready = [0] * len(self.buckets)  # gradients arrived, per bucket
+        self._next = 0  # the next bucket to send
+        self._backward_task = None  # the backward whose end will send the rest (None: none pending)
+
+    # ---- during backward ---------------------------------------------------------------
+
+    def _on_grad_ready(self, param):
+        """The hook (it receives the parameter, whose .grad now holds this backward's share)."""
+        if not self._sync:
+            return  # no_sync(): the gradient stays in .grad, to be summed with the next ones
+        task = torch._C._current_graph_task_id()
+        if self._backward_task is None:
+            self._backward_task = task
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        elif task != self._backward_task:
+            # a backward inside the backward (torch.utils.checkpoint, use_reentrant=True) ends
+            # first, and its end would send buckets whose gradients have not all come yet
+            raise RuntimeError("zerokit.DataParallel: a backward ran inside another backward; use "
+                               "torch.utils.checkpoint(..., use_reentrant=False)")
+        bi = self._where[param]
+        self._ready[bi] += 1
+        while self._next < len(self.buckets) and self._ready[self._next] == len(self.buckets[self._next].params):
+            self._send(self._next)
+
+    def _end_of_backward(self):
+        if torch._C._current_autograd_node() is not None:  # a nested backward's end, not ours
+            raise RuntimeError("zerokit.DataParallel: a backward ran inside another backward; use "
+                               "torch.utils.checkpoint(..., use_reentrant=False)")
+        self.finish_gradient_synchronization()
+
+    @torch.no_grad()
+    def _send(self, bi):
+        """Start bucket bi's all-reduce. The .grad each parameter holds now is its whole local
+        gradient: this backward's share plus what no_sync() (or an earlier backward without
+        zero_grad) accumulated, so the sum is reduced once, and a parameter that got nothing
+        this time still sends what it holds, as the other ranks do."""
+        bucket = self.buckets[bi]
+        p0 = bucket.params[0]
+        flat = torch.zeros(bucket.numel + len(bucket.params), dtype=p0.dtype, device=p0.device)
+        for view, p in zip(bucket.views(flat), bucket.params):
+            if p.grad is not None:
+                view.copy_(p.grad)
+        presence = flat[bucket.numel:]
+        presence.copy_(torch.tensor([p.grad is not None for p in bucket.params], dtype=flat.dtype))
+        work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        self._in_flight.append((work, bi, flat))
+        self._next = bi + 1
+        while len(self._in_flight) > self.max_in_flight:
+            self._receive()
+
+    @torch.no_grad()
+    def _receive(self):
+        """Wait for the oldest bucket and write its mean into .grad (writing now is safe: a
+        parameter's hook runs after autograd's last write to its .grad in this backward)."""
+        work, bi, flat = self._in_flight.pop(0)
+        work.wait()
+        bucket = self.buckets[bi]
+        counts = flat[bucket.numel:].tolist()
+        flat[:bucket.numel].div_(self.world_size)
+        for view, p, count in zip(bucket.views(flat), bucket.params, counts):
+            if count == 0:
+                p.grad = None  # no rank had one: as on one process, the optimizer skips it
+            elif p.grad is None:
+                p.grad = view.clone()  # a copy, not a view: the flat buffer is freed
+            else:
+                p.grad.copy_(view)
+
+    def _drain(self):
+        while self._in_flight:
+            self._receive()
+
+    # ---- public ------------------------------------------------------------------------
+
+    def finish_gradient_synchronization(self):
+        """Send the buckets not sent yet (in order), wait for every bucket, and leave the mean
+        gradient in each .grad. Runs by itself at the end of each backward; calling it again
+        does nothing."""
+        if self._backward_task is not None:
+            while self._next < len(self.buckets):  # a bucket where some parameter got no gradient here
+                self._send(self._next)
+        self._drain()
+        self._begin_backward()
+
+    @contextmanager
+    def no_sync(self):
+        """Backward inside accumulates gradients locally in .grad and sends nothing; the next
+        backward outside reduces the accumulated sum, once (gradient accumulation)."""
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = True
