@@ -66,7 +66,9 @@ def test_every_lesson_has_graded_cells_with_points_and_hidden_tests():
 PACKAGE = ROOT / "zerokit"
 # what a student reads beside the lessons, and the small instruments the lessons measure with
 COURSE_MODULES = {"adam", "ddp", "flat", "zero1", "zero2", "zero3", "mixed_precision", "activations", "offload",
-                  "comm", "memory", "models", "reference", "figures", "widgets"}
+                  "comm", "memory", "models", "reference", "figures", "widgets",
+                  # the lessons' stages in PyTorch's shapes (issue 24)
+                  "elementwise", "data_parallel", "fully_shard"}
 # a lesson whose reference needs more than one file gets a package of its own (its __init__
 # is the reference, the rest are its parts)
 COURSE_PACKAGES = {"checkpoint"}

@@ -51,6 +51,16 @@ from .state import (TENSORS, apply_description, check_same_model, describe, fini
                                set_steps, stage_of, targets)
 from .stream import placeholders, stream_load
 
+def __getattr__(name):
+    """`zerokit.checkpoint.dcp` on first use: it imports torch.distributed.checkpoint, which the
+    lessons' own checkpoints never need."""
+    if name == "dcp":
+        import importlib
+
+        return importlib.import_module(f"{__name__}.dcp")  # not `from . import`: that asks this function again
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = ["save", "load", "consolidate", "stream_load", "placeholders", "save_shards", "shard_reads", "covering",
            "tensor_offset", "read_metadata", "read_parameter", "read_replicated", "CheckpointError", "FORMAT",
            "VERSION", "TENSORS"]
