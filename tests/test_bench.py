@@ -35,7 +35,7 @@ def test_bench_command_writes_table_json_and_plot(tmp_path):
     assert meta["model"]["parameters"] > 0
 
     configs = {c["name"]: c for c in summary["configs"]}
-    assert set(configs) == {f"{system}-{stage}" for system in ("torch", "zerokit")
+    assert set(configs) == {f"{system}-{stage}" for system in ("torch", "zerokit", "wrapper")
                             for stage in ("ddp", "zero1", "zero2", "zero3")}
     psi = meta["model"]["parameters"]
     for name, c in configs.items():
@@ -57,13 +57,14 @@ def test_bench_command_writes_table_json_and_plot(tmp_path):
         assert c["loss"]["max_train_diff"] < 1e-4, (name, c["loss"])
 
     # sharding shows: optimizer state halves from DDP to ZeRO-1 on 2 ranks
-    for system in ("torch", "zerokit"):
+    for system in ("torch", "zerokit", "wrapper"):
         ddp = configs[f"{system}-ddp"]["memory_peak"]["optimizer_states"]
         zero1 = configs[f"{system}-zero1"]["memory_peak"]["optimizer_states"]
         assert zero1 < 0.75 * ddp, (system, ddp, zero1)
 
-    ratios = {r["stage"]: r for r in summary["ratios"]}
-    assert set(ratios) == {"ddp", "zero1", "zero2", "zero3"}
+    ratios = {(r["zerokit"].split("-")[0], r["stage"]): r for r in summary["ratios"]}
+    assert set(ratios) == {(system, stage) for system in ("zerokit", "wrapper")
+                           for stage in ("ddp", "zero1", "zero2", "zero3")}
     for r in ratios.values():
         assert {"time", "memory", "model_state", "comm"} <= set(r) and r["time"] > 0
 

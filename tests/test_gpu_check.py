@@ -47,7 +47,7 @@ def test_the_rehearsal_runs_every_row_on_the_cpu(tmp_path):
             assert f"gloo N=1 {stage} {precision}" in paths
         assert f"gloo N=2 on cpu {stage} fp32" in paths
         assert f"memory N=2 {stage}" in paths
-        assert any(p.startswith(f"bench N=1 {stage}") for p in paths)
+        assert f"bench N=1 zerokit-{stage} (cpu)" in paths and f"bench N=1 wrapper-{stage} (cpu)" in paths
     assert {"launch backend=auto", "checkpoint zero2", "checkpoint zero3", "lesson 00 checks on cpu"} <= set(paths)
     assert sum(p.startswith("offload=disk") for p in paths) == len(gpu_check.OFFLOAD_RUNS)
     # the same table on stdout, ending in the verdict

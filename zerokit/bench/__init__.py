@@ -4,8 +4,9 @@ r"""zerokit against PyTorch's own ZeRO implementations, on one model, one data s
     python -m zerokit.bench --world-size 4 --model medium --steps 50
     python -m zerokit.bench.demo                     # `make demo`: zerokit's stages beside the paper
 
-Each stage (data parallel, ZeRO-1, ZeRO-2, ZeRO-3) runs twice: as zerokit's optimizer and as
-its PyTorch peer (DDP + AdamW, ZeroRedundancyOptimizer, FSDP2). All run in one
+Each stage (data parallel, ZeRO-1, ZeRO-2, ZeRO-3) runs three times: as its PyTorch peer (DDP +
+AdamW, ZeroRedundancyOptimizer, FSDP2), as zerokit's lesson class, and as zerokit in PyTorch's
+shape (DataParallel, ZeRO1/ZeRO2 with torch's AdamW, FullyShard). All run in one
 `zerokit.launch` (one process tree): each rank builds a configuration fresh from the same
 seed, trains it on the same batches (rank r takes its slice of each global batch), measures
 it, frees it and builds the next. Per configuration: median step time beside the floor

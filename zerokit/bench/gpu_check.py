@@ -374,7 +374,8 @@ def checkpoint(target):
 
 
 def bench(target, out_dir):
-    """The bench at world size 1: each zerokit stage beside its PyTorch peer, same model and data."""
+    """The bench at world size 1: each zerokit stage (the lessons' classes and the wrappers) beside its
+    PyTorch peer, same model and data."""
     from zerokit.bench.runner import run
 
     steps = 10 if target.gpu else 2
@@ -387,7 +388,7 @@ def bench(target, out_dir):
     for r in summary["ratios"]:
         mine, peer = configs[r["zerokit"]], configs[r["peer"]]
         dloss = max(abs(mine["loss"]["final_diff"]), abs(peer["loss"]["final_diff"]))
-        rows.append(Row(f"bench N=1 {r['stage']} ({summary['meta']['device']})",
+        rows.append(Row(f"bench N=1 {r['zerokit']} ({summary['meta']['device']})",
                         f"{mine['label']} vs {peer['label']}: final loss within 1e-3", dloss <= 1e-3,
                         f"{mine['step_time_s']['median'] * 1e3:.1f} vs {peer['step_time_s']['median'] * 1e3:.1f} "
                         f"ms/step ({r['time']:.2f}x), peak memory {r['memory']:.2f}x, |dloss| {dloss:.1e}"))

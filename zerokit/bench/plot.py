@@ -13,14 +13,15 @@ def plot(summary, path):
 
     configs = summary["configs"]
     names = [c["label"] for c in configs]
-    colors = ["#4e79a7" if c["system"] == "torch" else "#f28e2b" for c in configs]
+    palette = {"torch": "#4e79a7", "zerokit": "#f28e2b", "wrapper": "#edc948"}
+    colors = [palette[c["system"]] for c in configs]
     x = range(len(configs))
     fig, axes = plt.subplots(1, 3, figsize=(18, 5.5))
     ax = axes[0]
     ax.bar(x, [c["step_time_s"]["median"] * 1e3 for c in configs], color=colors)
     ax.scatter(x, [c["floor_s"] * 1e3 for c in configs], marker="_", s=600, color="black", label="floor", zorder=3)
     ax.set_ylabel("median step time (ms)")
-    ax.set_title("step time (blue: PyTorch, orange: zerokit)")
+    ax.set_title("step time (blue: PyTorch, orange: zerokit's lessons, yellow: zerokit in PyTorch's shape)")
     ax.legend()
     ax = axes[1]
     # what was live at the moment of the peak, on the rank with the highest peak: sums to it

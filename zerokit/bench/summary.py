@@ -18,7 +18,7 @@ from zerokit.comm import theory_volume
 
 from .accounting import MODEL_STATE
 from .stages import STAGES
-from .systems import BASELINE, CONFIGS, DDP_OPTIONS, ZERO_REDUNDANCY_OPTIONS
+from .systems import BASELINE, CONFIGS, DDP_OPTIONS, SYSTEMS, ZERO_REDUNDANCY_OPTIONS
 from .workload import HYPER
 
 
@@ -69,8 +69,8 @@ def summarize(per_rank, opts, world_size):
         c["loss"]["max_train_diff"] = max((abs(a - b) for a, b in zip(c["loss"]["train"], base["loss"]["train"])),
                                           default=0.0)
     ratios = []
-    for stage in STAGES:
-        zk = next((c for c in configs if c["stage"] == stage and c["system"] == "zerokit"), None)
+    for stage, system in ((stage, system) for system in SYSTEMS for stage in STAGES):
+        zk = next((c for c in configs if c["stage"] == stage and c["system"] == system), None)
         peer = next((c for c in configs if c["stage"] == stage and c["system"] == "torch"), None)
         if zk and peer:
             ratios.append({

@@ -1,4 +1,5 @@
-"""What is compared: eight configurations, four stages, each run by zerokit and by its PyTorch peer.
+"""What is compared: four stages, each run by its PyTorch peer, by zerokit's lesson class, and by
+zerokit in PyTorch's shape (a module wrapper or the optimizer a user brings, with torch's AdamW).
 
 | stage | PyTorch peer | zerokit |
 |---|---|---|
@@ -6,6 +7,13 @@
 | zero1 | DDP + `torch.distributed.optim.ZeroRedundancyOptimizer`   | `ZeRO1Adam` |
 | zero2 | FSDP2 `fully_shard(reshard_after_forward=False)` + AdamW  | `ZeRO2Adam(bucket_mb=one block)` |
 | zero3 | FSDP2 `fully_shard` (blocks reshard after forward) + AdamW | `ZeRO3Adam(units=blocks)` |
+
+| stage | zerokit in PyTorch's shape |
+|---|---|
+| ddp   | `zerokit.DataParallel(model)` + `torch.optim.AdamW` |
+| zero1 | `zerokit.ZeRO1(params, torch.optim.AdamW)` |
+| zero2 | `zerokit.ZeRO2(params, torch.optim.AdamW, bucket_mb=one block)` |
+| zero3 | `zerokit.FullyShard(model, units=blocks)` + `torch.optim.AdamW` |
 
 FSDP2 wraps each transformer block, then the root (embeddings, final norm, head); zerokit
 gets the same granularity: ZeRO-3 units are the blocks (the root unit keeps the rest), and
@@ -28,7 +36,7 @@ from .workload import HYPER, make_model
 class Config:
     name: str
     stage: str  # ddp, zero1, zero2, zero3
-    system: str  # "torch" or "zerokit"
+    system: str  # "torch", "zerokit" (the lesson's class) or "wrapper" (zerokit in PyTorch's shape)
     label: str
 
 
@@ -41,7 +49,12 @@ CONFIGS = [
     Config("zerokit-zero2", "zero2", "zerokit", "zerokit ZeRO2Adam"),
     Config("torch-zero3", "zero3", "torch", "FSDP2 reshard + AdamW"),
     Config("zerokit-zero3", "zero3", "zerokit", "zerokit ZeRO3Adam"),
+    Config("wrapper-ddp", "ddp", "wrapper", "zerokit DataParallel + AdamW"),
+    Config("wrapper-zero1", "zero1", "wrapper", "zerokit ZeRO1(AdamW)"),
+    Config("wrapper-zero2", "zero2", "wrapper", "zerokit ZeRO2(AdamW)"),
+    Config("wrapper-zero3", "zero3", "wrapper", "zerokit FullyShard + AdamW"),
 ]
+SYSTEMS = ("zerokit", "wrapper")  # each compared with the "torch" configuration of its stage
 BASELINE = "torch-ddp"  # the loss every other configuration is compared with
 
 # The PyTorch peers use their documented memory/speed options: gradients that live in
@@ -61,6 +74,8 @@ def build(config, model_cfg, device, seed):
         return model, make_optimizer(config.stage, model, bucket_mb=block_mib, units=list(model.blocks), **HYPER)
     if config.system == "torch":
         return _torch_peer(config.stage, model, device)
+    if config.system == "wrapper":
+        return _wrapper(config.stage, model)
     raise ValueError(f"unknown system {config.system!r} in configuration {config.name!r}")
 
 
@@ -81,5 +96,23 @@ def _torch_peer(stage, model, device):
         for block in model.blocks:
             fully_shard(block, reshard_after_forward=reshard)
         fully_shard(model, reshard_after_forward=reshard)
+        return model, torch.optim.AdamW(model.parameters(), **HYPER)
+    raise ValueError(f"unknown stage {stage!r}")
+
+
+def _wrapper(stage, model):
+    """zerokit in PyTorch's shape, with torch's own AdamW, at the same granularity as above."""
+    import zerokit
+
+    block_mib = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters()) / 2**20
+    if stage == "ddp":
+        model = zerokit.DataParallel(model, bucket_mb=block_mib)
+        return model, torch.optim.AdamW(model.parameters(), **HYPER)
+    if stage == "zero1":
+        return model, zerokit.ZeRO1(model.parameters(), torch.optim.AdamW, **HYPER)
+    if stage == "zero2":
+        return model, zerokit.ZeRO2(model.parameters(), torch.optim.AdamW, bucket_mb=block_mib, **HYPER)
+    if stage == "zero3":
+        model = zerokit.FullyShard(model, units=list(model.blocks))
         return model, torch.optim.AdamW(model.parameters(), **HYPER)
     raise ValueError(f"unknown stage {stage!r}")
