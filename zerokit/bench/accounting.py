@@ -77,12 +77,13 @@ def holdings(model, optimizer) -> dict:
                     params.append(_local(unsharded))
                     if unsharded.grad is not None:
                         grads.append(_local(unsharded.grad))
-    declared = getattr(optimizer, "memory_categories", None)
-    if declared is not None:  # zerokit optimizers list their flat buffers and shards
-        cats = declared()
-        params += cats.get("parameters", [])
-        grads += cats.get("gradients", [])
-        states += cats.get("optimizer_states", [])
+    for owner in (optimizer, model):  # zerokit's optimizers, and FullyShard, list their flat buffers and shards
+        declared = getattr(owner, "memory_categories", None)
+        if declared is not None:
+            cats = declared()
+            params += cats.get("parameters", [])
+            grads += cats.get("gradients", [])
+            states += cats.get("optimizer_states", [])
     for opt in (optimizer, getattr(optimizer, "optim", None)):  # ZeroRedundancyOptimizer.optim
         for state in getattr(opt, "state", {}).values():
             if isinstance(state, dict):
