@@ -24,9 +24,9 @@ Numerics: the same `adamw_update_`, on the same elements in the same order (it i
 elementwise: a chunk's result does not depend on the other chunks), so an offloaded
 optimizer is bit-identical to the in-memory one.
 
-A `Place` (DiskPlace, PinnedPlace) is what a ShardedAdamState asks where its tensors live
-and what to do around each chunk of its update (zerokit.zero1); this module knows nothing
-of the stages.
+A `Place` is what a ShardedAdamState asks where its tensors live and what to do around each
+chunk of its update (zerokit.zero1): InMemory (no offload: plain tensors beside the
+parameters, and nothing to do), DiskPlace, PinnedPlace. This module knows nothing of the stages.
 """
 
 import mmap
@@ -40,7 +40,7 @@ import torch
 
 from .memory import theory_bytes
 
-__all__ = ["Offload", "offload_place", "DiskTensor", "DiskPlace", "PinnedPlace", "offload_theory_bytes"]
+__all__ = ["Offload", "offload_place", "InMemory", "DiskTensor", "DiskPlace", "PinnedPlace", "offload_theory_bytes"]
 
 PAGE = mmap.PAGESIZE
 
@@ -74,9 +74,9 @@ class Offload:
 
 
 def offload_place(offload, param_device):
-    """The Place for an optimizer's offload= argument (None: no offload, state in memory)."""
+    """The Place for an optimizer's offload= argument (None: InMemory, no offload)."""
     if offload is None:
-        return None
+        return InMemory(param_device)
     config = Offload(offload) if isinstance(offload, str) else offload
     if not isinstance(config, Offload):
         raise TypeError(f"offload= takes 'cpu', 'disk' or a zerokit.offload.Offload, not {type(offload).__name__}")
@@ -86,6 +86,43 @@ def offload_place(offload, param_device):
                              "are on the CPU already; use offload='disk' to move it out of memory")
         return PinnedPlace(config)
     return DiskPlace(config)
+
+
+# ---------------------------------------------------------------------------------------
+# no offload: the null place
+
+
+class InMemory:
+    """The state where the parameters are, as plain tensors: what every place below does, done
+    the plain way, so that an optimizer without offload needs no branch of its own."""
+
+    offloaded = False
+    needs_master = False
+    chunk_numel = None  # the optimizer's own choice (zerokit.zero1: chunks on a CPU, the whole shard on a GPU)
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+
+    def new_tensor(self, name, numel, init=None):
+        return torch.zeros(numel, dtype=torch.float32, device=self.device)
+
+    def hold(self, name, tensor):
+        return tensor  # a master made for this optimizer: already where it belongs
+
+    def begin(self, state, param_shard, grad_shard):
+        return param_shard, grad_shard
+
+    def before_chunk(self, a, b):
+        pass
+
+    def after_chunk(self, state, param_shard, a, b):
+        pass
+
+    def end(self):
+        pass
+
+    def copy_master(self, master, shard):
+        shard.copy_(master)
 
 
 # ---------------------------------------------------------------------------------------
@@ -172,6 +209,7 @@ class DiskPlace:
     """One optimizer's state on disk: a private temporary folder of DiskTensors, removed
     when the optimizer is garbage-collected, at exit, or by close()."""
 
+    offloaded = True
     needs_master = False  # Adam updates the weights where they are; only a separate master moves
 
     def __init__(self, config):
@@ -184,6 +222,9 @@ class DiskPlace:
         t = DiskTensor(os.path.join(self.folder, f"{len(self._tensors)}-{name}.f32"), numel, init=init)
         self._tensors.append(t)
         return t
+
+    def hold(self, name, tensor):
+        return self.new_tensor(name, tensor.numel(), init=tensor.detach().float())
 
     def begin(self, state, param_shard, grad_shard):
         return param_shard, grad_shard  # Adam runs where the gradient is: nothing to move
@@ -221,6 +262,7 @@ class PinnedPlace:
     (copy_master), before it all-gathers or stores it.
     """
 
+    offloaded = True
     needs_master = True
 
     def __init__(self, config):
@@ -233,6 +275,9 @@ class PinnedPlace:
         if init is not None:
             t.copy_(init.reshape(-1))
         return t
+
+    def hold(self, name, tensor):
+        return self.new_tensor(name, tensor.numel(), init=tensor.detach().float())
 
     def begin(self, state, param_shard, grad_shard):
         if param_shard is not state.master:

@@ -63,17 +63,12 @@ class ShardedAdamState:
 
     CPU_CHUNK = 1 << 16  # elements per Adam call on a CPU (see update)
 
-    def __init__(self, bucket: FlatBucket, dtype=torch.float32, device=None, place=None):
+    def __init__(self, bucket: FlatBucket, place):
         self.bucket = bucket
-        # lesson 08: where m, v and the master live (zerokit.offload: disk, pinned host memory); None: here
+        # lesson 08: where m, v and the master live (zerokit.offload: here, on disk, in pinned host memory)
         self.place = place
-        device = device or bucket.params[0].device
-        if place is None:
-            self.exp_avg = torch.zeros(bucket.shard_numel, dtype=dtype, device=device)
-            self.exp_avg_sq = torch.zeros(bucket.shard_numel, dtype=dtype, device=device)
-        else:
-            self.exp_avg = place.new_tensor("exp_avg", bucket.shard_numel)
-            self.exp_avg_sq = place.new_tensor("exp_avg_sq", bucket.shard_numel)
+        self.exp_avg = place.new_tensor("exp_avg", bucket.shard_numel)
+        self.exp_avg_sq = place.new_tensor("exp_avg_sq", bucket.shard_numel)
         self.steps = [0] * len(bucket.params)
         self.master = None  # lesson 06: the fp32 master of this shard's weights (fp32 runs: none)
 
@@ -81,12 +76,9 @@ class ShardedAdamState:
         """Hold the fp32 master of this shard (lesson 06; None: fp32 weights are their own),
         where the state lives (lesson 08). A place that runs Adam away from the weights (pinned
         host memory) needs a master in fp32 too: a copy of `weights`, this shard's weights."""
-        if self.place is not None:
-            if master is None and self.place.needs_master:
-                master = weights
-            if master is not None:
-                master = self.place.new_tensor("master", master.numel(), init=master.detach().float())
-        self.master = master
+        if master is None and self.place.needs_master:
+            master = weights
+        self.master = None if master is None else self.place.hold("master", master)
 
     def tensors(self):
         """What this state holds, for the memory census: the master (if any), m and v."""
@@ -94,10 +86,7 @@ class ShardedAdamState:
 
     def copy_master(self, shard):
         """Write the master's values into `shard` (a 16-bit shard of the weights)."""
-        if self.place is None:
-            shard.copy_(self.master)
-        else:
-            self.place.copy_master(self.master, shard)
+        self.place.copy_master(self.master, shard)
 
     @torch.no_grad()
     def update(self, param_shard, grad_shard, present, group):
@@ -107,30 +96,25 @@ class ShardedAdamState:
                 self.steps[i] += 1
         beta1, beta2 = group["betas"]
         place = self.place  # lesson 08: offloaded state is streamed, a chunk at a time
-        if place is not None:
-            param_shard, grad_shard = place.begin(self, param_shard, grad_shard)
+        param_shard, grad_shard = place.begin(self, param_shard, grad_shard)
         # On a CPU, cut the shard into chunks. adamw_update_ allocates temporaries as large as
         # its input (sqrt, division): on a whole shard each is a fresh multi-MiB block that the
         # C library maps and the kernel faults in again every step, and each of its eight passes
         # streams the shard through main memory. A chunk's four tensors stay in the cache and
         # its temporaries are small and reused: about 3x faster on one core. On a GPU one
-        # kernel per operation over the whole shard is best.
-        chunk = self.CPU_CHUNK if grad_shard.device.type == "cpu" else None
-        chunk = place.chunk_numel if place is not None else chunk
+        # kernel per operation over the whole shard is best. An offload place sets its own.
+        chunk = place.chunk_numel or (self.CPU_CHUNK if grad_shard.device.type == "cpu" else None)
         for lo, hi, step in self._runs(present):
             for a in range(lo, hi, chunk or hi - lo):
                 b = min(a + chunk, hi) if chunk else hi
-                if place is not None:
-                    place.before_chunk(a, b)
+                place.before_chunk(a, b)
                 adamw_update_(
                     param_shard[a:b], grad_shard[a:b], self.exp_avg[a:b], self.exp_avg_sq[a:b], step,
                     lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                     weight_decay=group["weight_decay"],
                 )
-                if place is not None:
-                    place.after_chunk(self, param_shard, a, b)
-        if place is not None:
-            place.end()
+                place.after_chunk(self, param_shard, a, b)
+        place.end()
 
     def _runs(self, present):
         """Contiguous [lo, hi) ranges of the shard that share one step count: usually one."""
@@ -183,7 +167,7 @@ class ZeRO1Adam(torch.optim.Optimizer):
         self.precision = precision_state(precision, group)
         self.reduce_dtype = self.precision.reduce_dtype  # None: the gradients' own
         first = next((p for g in self.param_groups for p in g["params"]), None)
-        # lesson 08: where the optimizer state lives (None: in memory, beside the parameters)
+        # lesson 08: where the optimizer state lives (InMemory: beside the parameters, no offload)
         self.offload = offload_place(offload, first.device if first is not None else "cpu")
         self.buckets, self.bucket_group, self.shards, self.flat_params, self._grad_buffers = [], [], [], [], []
         self._grad_cache = None  # this step's reduced gradient shards, once reduced (see _reduced_gradients)
@@ -216,7 +200,7 @@ class ZeRO1Adam(torch.optim.Optimizer):
 
     def _new_state(self, bucket):
         """This rank's optimizer state for one bucket: Adam's m and v of its shard."""
-        return ShardedAdamState(bucket, dtype=torch.float32, place=self.offload)
+        return ShardedAdamState(bucket, place=self.offload)
 
     def _make_buckets(self, params):
         return [FlatBucket(params, self.world_size, self.rank)] if params else []
@@ -390,7 +374,7 @@ class ZeRO1Adam(torch.optim.Optimizer):
         The tensors are the optimizer's own (views, not copies): a checkpoint writes them as
         they are, and a load writes into them and then calls loaded().
         """
-        if self.offload is not None:  # lesson 08: the state is in files or host memory, not tensors here
+        if self.offload.offloaded:  # lesson 08: the state is in files or host memory, not tensors here
             raise NotImplementedError(f"{type(self).__name__}(offload=...) cannot be checkpointed yet: its m, v and "
                                       "master live in zerokit.offload's files or host memory; build it without "
                                       "offload= to save or load")

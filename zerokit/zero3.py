@@ -132,7 +132,7 @@ class ShardedParameters(ZeRO2Adam):
         self.precision.cast_parameters_(bucket.params)
         self.shards[i].keep_master(self.precision.master_copy(shard), shard)
         master = self.shards[i].master
-        if master is not None and self.offload is None:
+        if master is not None and not self.offload.offloaded:
             shard = self.precision.to_half(master) if self.precision.config.half_shard else master
         elif master is not None:  # beyond the exercise (lesson 08): the master is off the device,
             shard = self.precision.to_half(shard)  # the weights stay on it (in 16 bits, if mixed)
