@@ -73,11 +73,12 @@ def test_every_lesson_ends_with_questions_whose_released_stub_says_no_answer_yet
     exec(stub.split("# YOUR CODE HERE")[0], namespace)
     answers = namespace["answers"]
     assert 3 <= len(answers) <= 5 and all(v is ... for v in answers.values()), answers
-    expected = re.search(r"questions\.check\(answers, (\{.*?\})\)", _source(test), re.S).group(1)
-    digests = eval(expected)  # noqa: S307  (the visible cell's own literal)
+    expected = re.search(r"questions\.check\(answers, (\{.*?\}), lesson=\"(\w+)\"\)", _source(test), re.S)
+    assert expected.group(2) == lesson
+    digests = eval(expected.group(1))  # noqa: S307  (the visible cell's own literal)
     assert set(digests) == set(answers) and all(isinstance(d, str) for d in digests.values())
     with pytest.raises(CheckFailed, match="still the stub"):
-        questions.check(answers, digests)
+        questions.check(answers, digests, lesson=lesson)
 
 
 @pytest.mark.parametrize("lesson", LESSONS)
