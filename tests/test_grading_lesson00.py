@@ -10,6 +10,7 @@ a message that names the problem, and a passing check says only what its counter
 | chunks gathered in the wrong order | numerics | "wrong places" |
 | the mean, not the sum | numerics | "the mean" |
 | calls dist.all_reduce | numerics | "called dist.all_reduce" |
+| two elements off, a little early and a lot late | numerics | the first (#1) and the largest (#6), each named |
 | the untouched student notebook | every check | "NotImplementedError" |
 
 And the notebook: its visible traffic test runs at N = 3 too (at N = 2 the gather-and-sum
@@ -89,6 +90,17 @@ def shifted_by_a_chunk(tensor):
     return out.roll(chunk)
 
 
+def two_elements_off(tensor):
+    """Right collectives and volume; element 1 a little off, element 6 (of 8) a lot: the reason
+    names both, the first one that differs and the largest difference, not only the largest."""
+    padded, n, numel = _gathered_sum(tensor)
+    out = padded[:numel].clone()
+    out[1] += 1e-3
+    if numel > 6:
+        out[6] += 5.0
+    return out
+
+
 def uses_all_reduce(tensor):
     out = tensor.clone()
     dist.all_reduce(out)
@@ -101,6 +113,14 @@ DEFECTS = [
     (mean_not_sum, {"numerics": "the mean"}),
     (uses_all_reduce, {"numerics": "called dist.all_reduce"}),
 ]
+
+
+@pytest.mark.timeout(60)
+def test_a_wrong_result_names_its_first_bad_element_and_its_largest_difference():
+    message = fails(lesson00.check_numerics, two_elements_off, world_size=2, sizes=[8], match="2 of 8 elements")
+    first, largest = message.split("the first, ")[1].split("; the largest difference, ")
+    assert first.startswith("element #1: expected") and "(|difference| 0.001)" in first, message
+    assert largest.startswith("5 at element #6: expected"), message
 
 
 @pytest.mark.timeout(60)

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 _abs, _max, _isfinite, _all = torch.abs, torch.max, torch.isfinite, torch.all
+_argmax, _nonzero, _count_nonzero, _unravel = torch.argmax, torch.nonzero, torch.count_nonzero, torch.unravel_index
 
 # (atol, rtol) per dtype: fp32 checks after many Adam steps stay well inside 1e-5
 TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.float64: (1e-10, 1e-10),
@@ -38,7 +39,24 @@ def assert_close(actual, expected, what, atol=None, rtol=None):
     err = _abs(a - e)
     bad = err > atol + rtol * _abs(e)
     if bool(bad.any()):
-        i = int(torch.argmax((err - atol - rtol * _abs(e)).reshape(-1)))
+        flat_a, flat_e, flat_err = a.reshape(-1), e.reshape(-1), err.reshape(-1)
+        first = int(_nonzero(bad.reshape(-1))[0])
+        worst = int(_argmax(flat_err))
+
+        def element(i):
+            return f"element {_index(i, a.shape)}: expected {float(flat_e[i]):.6g}, got {float(flat_a[i]):.6g}"
+
+        where = (f"the first, {element(first)}, is also the largest difference ({float(flat_err[first]):.3g})"
+                 if first == worst else
+                 f"the first, {element(first)} (|difference| {float(flat_err[first]):.3g}); "
+                 f"the largest difference, {float(flat_err[worst]):.3g} at {element(worst)}")
         raise AssertionError(
-            f"{what} differs{_where()}: max |difference| {float(_max(err)):.3g} (tolerance {atol:g} + {rtol:g}*|expected|); "
-            f"first bad element #{i}: expected {float(e.reshape(-1)[i]):.6g}, got {float(a.reshape(-1)[i]):.6g}")
+            f"{what} differs{_where()}: {int(_count_nonzero(bad))} of {bad.numel()} elements beyond the tolerance "
+            f"({atol:g} + {rtol:g}*|expected|); {where}")
+
+
+def _index(i, shape):
+    """'#7' for a flat tensor, '[1, 3]' for a matrix (the position a student indexes it with)."""
+    if len(shape) <= 1:
+        return f"#{i}"
+    return "[" + ", ".join(str(int(k)) for k in _unravel(torch.tensor(i), tuple(shape))) + "]"
