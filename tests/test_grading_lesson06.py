@@ -16,8 +16,11 @@ with a message naming the problem, and pass the others: one bug costs its own po
 | update applied to the 16-bit parameters | numerics | "did not change" |
 | master copied after the cast to 16 bits | numerics | "hold the weights rounded to" |
 | frozen parameters left in fp32 | numerics | "frozen ones too" |
+| Adam fed p.grad, still times the loss scale S | numerics | "S = 256 times AdamW's" |
+| the gradient unscaled twice (g / S²) | numerics | "divided by the loss scale twice" |
 | optimizer steps on an overflow step | overflow step | "nothing may change" |
-| skips, but counts the skipped step (t) | overflow step | "must leave no trace" |
+| skips, but counts the skipped step (each parameter's t) | overflow step | "step 2 was skipped ... advanced on it" |
+| skips, self.steps right, but the bias correction counts every call | overflow step | "must leave no trace" |
 | the untouched student notebook | every check | "NotImplementedError" |
 """
 
@@ -134,26 +137,29 @@ class NeverGrows(Scaler):
 class HalfMasters(Optimizer):
     def __init__(self, params, dtype=torch.bfloat16, **kw):
         super().__init__(params, dtype=dtype, **kw)
-        self.masters = [p.detach().clone() for p in self.params]  # BUG: 16-bit copies
-        self.exp_avgs = [torch.zeros_like(m) for m in self.masters]
-        self.exp_avg_sqs = [torch.zeros_like(m) for m in self.masters]
+        self.masters = [p.detach().clone() for p in self.params]  # BUG: 16-bit copies (m and v fp32)
 
 
-def _step(self, on_half=False, ignore_skip=False, count_skipped=False):
+def _step(self, on_half=False, ignore_skip=False, count_skipped=False, scaled=False, twice=False):
     group = self.param_groups[0]
     with_grad = [i for i, p in enumerate(self.params) if p.grad is not None]
     for i in with_grad:
         dist.all_reduce(self.params[i].grad, op=dist.ReduceOp.AVG)
     grads = self.scaler.unscale([self.params[i].grad for i in with_grad])
+    if scaled:
+        grads = [self.params[i].grad.float() for i in with_grad]  # BUG: still times S
+    if twice:
+        grads = [g / self.scaler.scale for g in grads]  # BUG: unscale() already divided by S
     if count_skipped:
-        self.steps += 1  # BUG: counted before the verdict, so a skipped step still advances t
+        for i in with_grad:
+            self.steps[i] += 1  # BUG: counted before the verdict, so a skipped step still advances t
     if not self.scaler.update() and not ignore_skip:
         return None
-    if not count_skipped:
-        self.steps += 1
     for i, grad in zip(with_grad, grads):
+        if not count_skipped:
+            self.steps[i] += 1
         target = self.params[i].data if on_half else self.masters[i]
-        adamw_update_(target, grad, self.exp_avgs[i], self.exp_avg_sqs[i], self.steps, lr=group["lr"],
+        adamw_update_(target, grad, self.exp_avgs[i], self.exp_avg_sqs[i], self.steps[i], lr=group["lr"],
                       beta1=group["betas"][0], beta2=group["betas"][1], eps=group["eps"],
                       weight_decay=group["weight_decay"])
         if not on_half:
@@ -189,6 +195,43 @@ class CountsSkippedSteps(Optimizer):
     step = torch.no_grad()(lambda self, closure=None: _step(self, count_skipped=True))
 
 
+class FeedsScaledGradient(Optimizer):
+    # BUG: Adam gets p.grad, the gradient of loss·S: m and v off by S and S², the weights nearly right
+    step = torch.no_grad()(lambda self, closure=None: _step(self, scaled=True))
+
+
+class UnscalesTwice(Optimizer):
+    # BUG: the scaffold's unscale already divided by S; dividing again feeds Adam g / S
+    step = torch.no_grad()(lambda self, closure=None: _step(self, twice=True))
+
+
+class SkipCountedElsewhere(Optimizer):
+    """Skips, and counts right in self.steps, but keeps its own count of the steps it took in another
+    attribute that advances on the skipped step and drives the bias correction: only the twin sees it."""
+
+    def __init__(self, params, **kw):
+        super().__init__(params, **kw)
+        self.calls = 0
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.calls += 1  # BUG: every call counts, the skipped one too
+        group = self.param_groups[0]
+        with_grad = [i for i, p in enumerate(self.params) if p.grad is not None]
+        for i in with_grad:
+            dist.all_reduce(self.params[i].grad, op=dist.ReduceOp.AVG)
+        grads = self.scaler.unscale([self.params[i].grad for i in with_grad])
+        if not self.scaler.update():
+            return None
+        for i, grad in zip(with_grad, grads):
+            self.steps[i] += 1
+            adamw_update_(self.masters[i], grad, self.exp_avgs[i], self.exp_avg_sqs[i], self.calls, lr=group["lr"],
+                          beta1=group["betas"][0], beta2=group["betas"][1], eps=group["eps"],
+                          weight_decay=group["weight_decay"])
+            self.params[i].copy_(self.masters[i])
+        return None
+
+
 DEFECTS = {  # class -> {check that must fail: message fragment}; the exercise's other checks must pass
     MultipliesByScale: {"unscale": "times the scale"},
     DividesInHalf: {"unscale": "divided in float16"},
@@ -200,8 +243,11 @@ DEFECTS = {  # class -> {check that must fail: message fragment}; the exercise's
     UpdatesHalfParams: {"numerics": "did not change"},
     MastersAfterCast: {"numerics": "hold the weights rounded to"},
     FrozenLeftFp32: {"numerics": "frozen ones too"},
+    FeedsScaledGradient: {"numerics": "is S = 256 times AdamW's: Adam was fed the gradient still multiplied"},
+    UnscalesTwice: {"numerics": "divided by the loss scale twice"},
     StepsAnyway: {"overflow_step": "nothing may change"},
-    CountsSkippedSteps: {"overflow_step": "must leave no trace"},
+    CountsSkippedSteps: {"overflow_step": "step 2 was skipped (rank 1's gradient of"},
+    SkipCountedElsewhere: {"overflow_step": "must leave no trace"},
 }
 
 
@@ -225,4 +271,8 @@ def test_hidden_configurations_catch_the_same_bugs():
     fails(lesson06.check_overflow_step, StepsAnyway, world_size=3, model="transformer", inject_at=2,
           match="nothing may change")
     fails(lesson06.check_overflow_step, CountsSkippedSteps, world_size=3, model="transformer", inject_at=2,
-          match="must leave no trace")
+          match="step 3 was skipped")
+    fails(lesson06.check_numerics, FeedsScaledGradient, world_size=3, model="transformer", dtype="fp16", steps=3,
+          match="is S = 1024 times AdamW's")
+    fails(lesson06.check_numerics, UnscalesTwice, world_size=3, model="edge", dtype="fp16", steps=3,
+          match="divided by the loss scale twice")

@@ -54,9 +54,10 @@ UPDATES_HALF = '''class MyMixedPrecisionAdam(torch.optim.Optimizer):
         self.scaler = scaler if scaler is not None else MyLossScaler(init_scale=1.0, growth_factor=1.0)
         self.params = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
         with torch.no_grad():
-            for p in self.params:
-                dist.broadcast(p.data, src=0)
-        self.steps = 0
+            for group in self.param_groups:
+                for p in group["params"]:
+                    dist.broadcast(p.data, src=0)
+        self.steps = [0] * len(self.params)
         self.masters = [p.detach().float().clone() for p in self.params]
         self.exp_avgs = [torch.zeros_like(m) for m in self.masters]
         self.exp_avg_sqs = [torch.zeros_like(m) for m in self.masters]
@@ -76,9 +77,9 @@ UPDATES_HALF = '''class MyMixedPrecisionAdam(torch.optim.Optimizer):
         grads = self.scaler.unscale([self.params[i].grad for i in with_grad])
         if not self.scaler.update():
             return None
-        self.steps += 1
         for i, grad in zip(with_grad, grads):
-            adamw_update_(self.params[i].data, grad, self.exp_avgs[i], self.exp_avg_sqs[i], self.steps,  # BUG
+            self.steps[i] += 1
+            adamw_update_(self.params[i].data, grad, self.exp_avgs[i], self.exp_avg_sqs[i], self.steps[i],  # BUG
                           lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1], eps=group["eps"],
                           weight_decay=group["weight_decay"])
         return None
@@ -108,14 +109,17 @@ _TRAINABLE_ONLY = """        for p in self.params:  # BUG: the frozen parameters
             p.data = p.data.to(dtype)
 """
 
-# Skips the overflow step, but counts it: self.steps advances before the verdict. Nothing changes
-# on the skipped step itself; every later step's bias correction uses a t one too large.
+# Skips the overflow step, but counts it: each self.steps[i] advances before the verdict. Nothing
+# changes on the skipped step itself; every later step's bias correction uses a t one too large.
 COUNTS_SKIPPED = solution_with("""        if not self.scaler.update():
             return None  # an inf or nan on some rank: every rank skips
-        self.steps += 1
-""", """        self.steps += 1  # BUG: counted before the verdict
+        for i, grad in zip(with_grad, grads):
+            self.steps[i] += 1
+""", """        for i in with_grad:
+            self.steps[i] += 1  # BUG: counted before the verdict
         if not self.scaler.update():
             return None
+        for i, grad in zip(with_grad, grads):
 """)
 
 STUDENTS = [
@@ -140,6 +144,6 @@ STUDENTS = [
             cells={"loss_scaler": SOLUTION, "master_adam": SOLUTION,
                    "understanding": solution_with('"bf16_spacing": 2.0**-9,', '"bf16_spacing": 0.002,')}),
     Student("counts_skipped_step", "skips the overflow step but still advances the step count t",
-            {**FULL, "test_overflow_step": 0}, reason="must leave no trace",
+            {**FULL, "test_overflow_step": 0}, reason="step 2 was skipped (rank 1's gradient of",
             cells={"loss_scaler": SOLUTION, "master_adam": COUNTS_SKIPPED, "understanding": SOLUTION}),
 ]

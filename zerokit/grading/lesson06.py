@@ -13,13 +13,17 @@ AdamW with 16-bit weights and gradients, fp32 master weights, m and v). One ques
     check_numerics(opt_cls)       right after __init__: every parameter 16-bit, frozen ones too, and
                                   the masters the fp32 weights as built (not the rounded ones); then
                                   the fp32 masters, m and v after every step against
-                                  torch.optim.AdamW in fp32 fed the same (unscaled, mean) gradient;
-                                  the model's weights 16-bit and equal to the masters rounded
+                                  torch.optim.AdamW in fp32 fed the same (unscaled, mean) gradient,
+                                  at a loss scale S != 1 in bf16 too (2**8; fp16 2**10), so that
+                                  Adam fed g·S (p.grad, still scaled) or g/S (unscaled twice) is
+                                  told so, from m's ratio to AdamW's; the model's weights 16-bit
+                                  and equal to the masters rounded
     check_overflow_step(opt_cls)  an inf in one rank's gradient at one step: nothing changes on any
-                                  rank in that step, the scale halves, the other steps do update,
-                                  and every step after the skipped one is what the same optimizer
-                                  computes when that step never happened (no step count, m or v
-                                  advanced by the skip)
+                                  rank in that step, nor the step count(s) `self.steps` (a count
+                                  advanced on the skipped step is named as such), the scale halves,
+                                  the other steps do update, and every step after the skipped one
+                                  is what the same optimizer computes when that step never happened
+                                  (no step count, m or v advanced by the skip)
 
 The optimizer checks hand the optimizer zerokit's own scaler (`ReferenceScaler`, the same
 interface as the exercise), so a wrong scaler costs the scaler's points only.
@@ -37,7 +41,8 @@ check_overflow_step therefore trains a twin first: the same class, model, data a
 without the poisoned step at all (AdamW that skipped it, as the student wrote AdamW), and
 compares every step after the skip with it. Against the student's own update rule, not
 torch's: a wrong update is check_numerics' point, and costs its points only; here any
-difference is the skip's doing.
+difference is the skip's doing. The twin's scale backs off at the skipped step as the run's
+does, so an optimizer that feeds Adam g·S (check_numerics' point) is the same in both runs.
 """
 
 import torch
@@ -114,7 +119,8 @@ def _unscale_case(rank, world_size, cls):
                          (4.0, torch.float32)):
         scaler = cls(init_scale=scale)
         # scaled gradients as backward leaves them: g * S in the 16-bit type; the last one, 1 + 1023/1024
-        # (11 significant bits), divided by 2**16 is an fp16 subnormal with 8 bits: fp16 division rounds it
+        # (11 significant bits), divided by 2**16 is 2047 * 2**-26, in fp16's subnormal binade [2**-16, 2**-15),
+        # whose numbers are multiples of 2**-24 (9 significant bits): fp16 division rounds it to 2**-15
         grads = [(torch.randn(37, generator=g) * scale / 8).to(dtype),
                  (torch.randn(3, 5, generator=g) * scale / 64).to(dtype),
                  torch.full((2,), 1 + 1023 / 1024, dtype=dtype)]
@@ -320,6 +326,62 @@ def _state(opt, attr, i, name):
     return t
 
 
+def _scaler_for(dtype):
+    """The scaler the optimizer checks hand the optimizer: a loss scale S != 1 in every format (fp16
+    needs one; for bf16 S = 2**8 is exact and changes nothing), so that Adam fed g·S or g/S (the
+    gradient still scaled, or unscaled twice) differs from AdamW fed g, by a factor the reason can name."""
+    fp16 = dtype == torch.float16
+    return ReferenceScaler(init_scale=2.0**10 if fp16 else 2.0**8, growth_factor=2.0 if fp16 else 1.0,
+                           growth_interval=1000)
+
+
+def _step_counts(opt):
+    """A copy of the optimizer's step count(s) `self.steps` (an int, or one per parameter), or None."""
+    steps = getattr(opt, "steps", None)
+    if isinstance(steps, (int, float)) and not isinstance(steps, bool):
+        return steps
+    if isinstance(steps, (list, tuple)) and all(isinstance(t, (int, float)) for t in steps):
+        return list(steps)
+    return None
+
+
+def _scaled_by(got, want, scale):
+    """'S' if `got` is `want` times the loss scale, '1/S' if it is `want` divided by it, else None:
+    the factor a gradient still scaled (or unscaled twice) leaves on Adam's m."""
+    if scale == 1 or not isinstance(got, torch.Tensor) or got.shape != want.shape:
+        return None
+    g, w = got.detach().double().reshape(-1), want.detach().double().reshape(-1)
+    norm = float((w * w).sum())
+    if norm == 0 or not bool(torch.isfinite(g).all()):
+        return None
+    ratio = float((g * w).sum()) / norm
+    for name, factor in (("S", scale), ("1/S", 1 / scale)):
+        if abs(ratio / factor - 1) < 1e-2 and float(((g - factor * w) ** 2).sum()) < 1e-4 * factor**2 * norm:
+            return name
+    return None
+
+
+def _wrong_gradient(opt, named, reference, ref_params, scale, when):
+    """The reason when Adam was fed the gradient times S or over S (m measured against AdamW's), or None."""
+    for i, ((n, _), rp) in enumerate(zip(named, ref_params)):
+        seq = getattr(opt, "exp_avgs", None)
+        ref_m = reference.state[rp].get("exp_avg") if rp in reference.state else None
+        if ref_m is None or not isinstance(seq, (list, tuple)) or i >= len(seq):
+            continue
+        factor = _scaled_by(seq[i], ref_m, scale)
+        if factor == "S":
+            return (f"{when}: m of {n} (self.exp_avgs[{i}]) is S = {scale:g} times AdamW's: Adam was fed the "
+                    "gradient still multiplied by the loss scale. Backward computed the gradient of loss·S; feed "
+                    "adamw_update_ the fp32 gradients that self.scaler.unscale(...) returned (`grads` in the "
+                    "scaffold, g / S), not p.grad. (Adam's update m̂/(√v̂ + ε) notices a constant factor on the gradient "
+                    "only through ε, so the weights look almost right while m and v are off by S and S²)")
+        if factor == "1/S":
+            return (f"{when}: m of {n} (self.exp_avgs[{i}]) is 1/S = 1/{scale:g} of AdamW's: the gradient was "
+                    "divided by the loss scale twice. The scaffold's self.scaler.unscale(...) already returns "
+                    "g·S / S = g (`grads`); do not unscale it again, nor divide by self.scaler.scale")
+    return None
+
+
 def _train_case(rank, world_size, cls, name, dtype, steps, inject_at):
     dtype = as_dtype(dtype)
     compare = inject_at is None  # numerics; otherwise the skipped step and its aftermath (the twin)
@@ -328,9 +390,7 @@ def _train_case(rank, world_size, cls, name, dtype, steps, inject_at):
     params = [p for _, p in named]
     ref_params = [p.detach().clone().requires_grad_(True) for p in params]  # fp32, as built
     reference = _TorchAdamW(ref_params, foreach=False, **HYPER)
-    fp16 = dtype == torch.float16
-    scaler = ReferenceScaler(init_scale=2.0**10 if fp16 else 1.0, growth_factor=2.0 if fp16 else 1.0,
-                             growth_interval=1000)
+    scaler = _scaler_for(dtype)
     opt = cls(model.parameters(), dtype=dtype, scaler=scaler, **HYPER)
     if getattr(opt, "scaler", None) is not scaler:
         raise AssertionError("the optimizer did not keep the scaler it was given (self.scaler = scaler, as in the "
@@ -358,6 +418,7 @@ def _train_case(rank, world_size, cls, name, dtype, steps, inject_at):
             masters_before = [_state(opt, "masters", i, n).clone() for i, (n, _) in enumerate(named)]
         else:
             state_before = _held_state(opt)
+            counts_before = _step_counts(opt)
         updates = scaler.updates
         opt.step()
         opt.zero_grad()
@@ -379,6 +440,13 @@ def _train_case(rank, world_size, cls, name, dtype, steps, inject_at):
                         f"{when}: {who}, yet your optimizer changed {', '.join(moved)} on rank {rank}: on an "
                         "overflow step nothing may change (weights, masters, m, v, the step count): return from "
                         "step() when self.scaler.update() returns False")
+                counts = _step_counts(opt)
+                if counts_before is not None and counts != counts_before:
+                    raise AssertionError(
+                        f"{when} was skipped ({who}), yet your step count self.steps advanced on it on rank "
+                        f"{rank}: {_show(counts_before)} -> {_show(counts)}. A skipped step is not a step: count "
+                        "it only after self.scaler.update() returned True, or the bias correction "
+                        "m̂ = m / (1 - β1**t) of every later step uses a t one too large")
                 if scaler.scale != scale * 0.5:
                     raise AssertionError(f"{when}: an overflow, and the scale went {scale:g} -> {scaler.scale:g}")
             elif not changed:
@@ -394,24 +462,32 @@ def _train_case(rank, world_size, cls, name, dtype, steps, inject_at):
             rp.grad = None if r is None else r.float() / scale
         with torch_adam_allowed():  # no student code runs inside
             reference.step()
-        for i, ((n, p), rp) in enumerate(zip(named, ref_params)):
-            master = _state(opt, "masters", i, n)
-            if i == 0 and step == 0 and torch.equal(master, masters_before[i]):
-                raise AssertionError(
-                    f"{when}: the master weights of {n} (self.masters[{i}]) did not change: apply the AdamW "
-                    "update to the fp32 masters (adamw_update_(self.masters[i], grad, ...)), then copy each "
-                    "master into its 16-bit parameter")
-            assert_close(master, rp.detach(), f"the master weights of {n} (self.masters[{i}]) after {when}")
-            for attr, key, what in (("exp_avgs", "exp_avg", "m"), ("exp_avg_sqs", "exp_avg_sq", "v")):
-                ref_state = reference.state[rp].get(key, torch.zeros_like(rp))  # zeros: never had a gradient
-                assert_close(_state(opt, attr, i, n), ref_state, f"{what} of {n} (self.{attr}[{i}]) after {when}",
-                             atol=1e-5 * float(ref_state.abs().max()) + 1e-12, rtol=1e-4)
-            if p.dtype != dtype or not torch.equal(p.detach(), master.to(dtype)):
-                raise AssertionError(
-                    f"{when}: parameter {n} is not its master weights rounded to {dtype} (max |difference| "
-                    f"{float((p.detach().double() - master.double()).abs().max()):.3g}): after updating the fp32 "
-                    "master, copy it into the 16-bit parameter (p.copy_(master)); the model computes with those")
+        try:
+            _compare_step(opt, named, ref_params, reference, masters_before, dtype, step, when)
+        except AssertionError as exc:
+            raise AssertionError(_wrong_gradient(opt, named, reference, ref_params, scale, when) or str(exc)) from None
     return sum(p.numel() for p in params)
+
+
+def _compare_step(opt, named, ref_params, reference, masters_before, dtype, step, when):
+    """After a step: the masters, m and v against AdamW's, and each 16-bit weight its master rounded."""
+    for i, ((n, p), rp) in enumerate(zip(named, ref_params)):
+        master = _state(opt, "masters", i, n)
+        if i == 0 and step == 0 and torch.equal(master, masters_before[i]):
+            raise AssertionError(
+                f"{when}: the master weights of {n} (self.masters[{i}]) did not change: apply the AdamW "
+                "update to the fp32 masters (adamw_update_(self.masters[i], grad, ...)), then copy each "
+                "master into its 16-bit parameter")
+        assert_close(master, rp.detach(), f"the master weights of {n} (self.masters[{i}]) after {when}")
+        for attr, key, what in (("exp_avgs", "exp_avg", "m"), ("exp_avg_sqs", "exp_avg_sq", "v")):
+            ref_state = reference.state[rp].get(key, torch.zeros_like(rp))  # zeros: never had a gradient
+            assert_close(_state(opt, attr, i, n), ref_state, f"{what} of {n} (self.{attr}[{i}]) after {when}",
+                         atol=1e-5 * float(ref_state.abs().max()) + 1e-12, rtol=1e-4)
+        if p.dtype != dtype or not torch.equal(p.detach(), master.to(dtype)):
+            raise AssertionError(
+                f"{when}: parameter {n} is not its master weights rounded to {dtype} (max |difference| "
+                f"{float((p.detach().double() - master.double()).abs().max()):.3g}): after updating the fp32 "
+                "master, copy it into the 16-bit parameter (p.copy_(master)); the model computes with those")
 
 
 def _check_built(opt, model, named, initial, dtype):
@@ -437,18 +513,25 @@ def _check_built(opt, model, named, initial, dtype):
                 "parameter 16-bit: a master is the one place the bits the 16-bit type rounds away survive")
 
 
+def _show(counts):
+    if isinstance(counts, list) and len(counts) > 6:
+        return "[" + ", ".join(f"{c:g}" for c in counts[:6]) + ", ...]"
+    return str(counts)
+
+
 def _twin(rank, world_size, cls, name, dtype, steps, skipped):
     """What the student's optimizer holds after each step when step `skipped` never happens:
-    [(parameters, _held_state) or None for the skipped step]."""
+    [(parameters, _held_state) or None for the skipped step]. The twin's scale backs off where the
+    run's does (the scaler is not what this check judges), so that a factor S the optimizer gets
+    wrong (check_numerics' point) is the same in both runs."""
     model = build_model(name)
     params = [p for p in model.parameters() if p.requires_grad]
-    fp16 = dtype == torch.float16
-    scaler = ReferenceScaler(init_scale=2.0**10 if fp16 else 1.0, growth_factor=2.0 if fp16 else 1.0,
-                             growth_interval=1000)
+    scaler = _scaler_for(dtype)
     opt = cls(model.parameters(), dtype=dtype, scaler=scaler, **HYPER)
     out = []
     for step in range(steps):
         if step == skipped:  # not a skipped step: no step at all, as if that batch never came
+            scaler._scaler.update(True)  # ... but the scale backs off as the run's did
             out.append(None)
             continue
         x, y = rank_batch(name, step, GLOBAL_BATCH, rank, world_size)
