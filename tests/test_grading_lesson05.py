@@ -97,6 +97,20 @@ class GathersTwice(Sharded):
         self._full[bi] = full
 
 
+class NoWait(Sharded):
+    """_finish_gather installs the views without waiting for the all-gather: on gloo and a small
+    buffer the data is usually there already; on a real network the weights are half written."""
+
+    @torch.no_grad()
+    def _finish_gather(self, bi):
+        self._start_gather(bi)
+        if bi in self._gathering:
+            work, full, _shard = self._gathering.pop(bi)  # BUG: no work.wait()
+            for p, view in zip(self.buckets[bi].params, self.buckets[bi].views(full)):
+                p.data = view
+            self._full[bi] = full
+
+
 class FreeKeepsBuffer(Sharded):
     """_free empties the parameters but keeps the gathered buffer in self._full."""
 
@@ -290,6 +304,7 @@ VISIBLE_HOOKS = {
 MECHANICS_BUGS = {
     SyncGather: {"gather_free": "start the all-gather with async_op=True"},
     GathersTwice: {"gather_free": "must not be gathered again"},
+    NoWait: {"gather_free": "_finish_gather(0) of bucket 0"},
     FreeKeepsBuffer: {"gather_free": "still holds the gathered buffer"},
     DropsReferencesOnly: {"gather_free": "release it in place"},
     FreshBuffer: {"gather_free": "Gather into the same buffer every time"},

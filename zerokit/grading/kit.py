@@ -10,7 +10,9 @@
   student's code have torch's Adam disabled, and the notebook's process may have rebound it);
 - data: `rank_batch` cuts this rank's slice out of the global batch of a step;
 - small readers every check needs: `trainable`, `snapshot`, `gather_object`, `bucket_label`,
-  `state_shard`, `assert_changed`.
+  `state_shard`, `assert_changed`;
+- asynchrony made visible: `LazyWork` and `lazy_transfers` stand in for a slow transfer, whose
+  data arrives only when its work is waited for.
 
 Models come from the zoo in zerokit.models (`build_model`, `model_batch`, `model_loss`).
 """
@@ -31,7 +33,7 @@ from .harness import CheckFailed, run_on_ranks
 
 __all__ = ["check_class", "refusing", "adamw_reference", "global_batch", "rank_batch", "batch_backward", "trainable", "psi_of",
            "snapshot", "gather_object", "bucket_label", "state_shard", "assert_changed", "optimizer_held_bytes", "assert_adam_shards", "alias", "renamed_args",
-           "try_stretch"]
+           "try_stretch", "LazyWork", "lazy_transfers"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -298,6 +300,75 @@ def optimizer_held_bytes(model, run_steps):
     held = sorted(((nbytes, t.numel()) for k, (nbytes, t, _) in after.items() if k not in exclude), reverse=True)
     del keep, before, after
     return sum(n for n, _ in held), held
+
+
+# ---------------------------------------------------------------------------------------
+# asynchrony made visible: a transfer whose data arrives only at wait()
+
+
+class LazyWork:
+    """The work of an asynchronous collective whose data arrives only when it is waited for.
+
+    Built from a real work and its output tensor: the real transfer is completed, its result
+    kept aside, and the output overwritten with NaN (or -1 for integers); `wait()` writes the
+    result back. Code that reads the output without waiting reads NaN every time, where on a
+    real network it reads whatever the transfer had written so far (on gloo and a small buffer,
+    usually everything: the bug hides). `waited` says whether wait() was called, and
+    `released_first` whether the output's memory was released before it was.
+    """
+
+    def __init__(self, work, output):
+        work.wait()
+        self._work, self.output = work, output
+        self._data = output.detach().clone()
+        with torch.no_grad():
+            output.fill_(float("nan") if output.is_floating_point() else -1)
+        self.waited = False
+        self.released_first = False
+
+    def wait(self, *args, **kwargs):
+        if not self.waited:
+            self.waited = True
+            if self.output.untyped_storage().nbytes() == 0:
+                self.released_first = True  # the buffer was released while the transfer was "writing"
+            else:
+                with torch.no_grad():
+                    self.output.copy_(self._data)
+            self._data = None
+        return True
+
+    def is_completed(self):
+        return self.waited
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+@contextlib.contextmanager
+def lazy_transfers(obj, start="_start_gather", table="_gathering"):
+    """Inside: each transfer `obj.<start>(key)` leaves in `obj.<table>[key]` as a tuple
+    (work, output, ...) gets a `LazyWork` in place of its work. Yields {key: the LazyWork of the
+    latest transfer started for that key}, to ask afterwards whether it was waited for."""
+    started = {}
+    original = getattr(obj, start)
+
+    def start_lazily(key, *args, **kwargs):
+        table_now = getattr(obj, table, None)
+        before = table_now.get(key) if isinstance(table_now, dict) else None
+        out = original(key, *args, **kwargs)
+        table_now = getattr(obj, table, None)
+        entry = table_now.get(key) if isinstance(table_now, dict) else None
+        if (entry is not None and entry is not before and isinstance(entry, tuple) and len(entry) >= 2
+                and hasattr(entry[0], "wait") and isinstance(entry[1], torch.Tensor)):
+            started[key] = LazyWork(entry[0], entry[1])
+            table_now[key] = (started[key], *entry[1:])
+        return out
+
+    setattr(obj, start, start_lazily)
+    try:
+        yield started
+    finally:
+        obj.__dict__.pop(start, None)
 
 
 # ---------------------------------------------------------------------------------------

@@ -11,7 +11,9 @@ builds on it and writes the hooks: `_gather_unit` (with prefetch), `_pre_forward
 and `_send` (reduce-scatter, then free). Each check runs on real ranks, each rank on its
 own slice of the batch, and looks at one thing:
 
-- check_gather_free           the mechanics alone: one all-gather per gather, a prefetch is
+- check_gather_free           the mechanics alone: one all-gather per gather, waited for
+                              before the views are installed (each transfer delivers its
+                              data only at wait(): kit.lazy_transfers), a prefetch is
                               not gathered twice, the values are every rank's current shard
                               in place, _free empties the parameters and releases the
                               buffer's memory in place (autograd's saved views of it too;
@@ -57,7 +59,8 @@ from ..zero2 import ZeRO2Adam, weak_hook
 from ..zero3 import ShardedParameters, ZeRO3Adam, assign_units, default_units
 from .compare import assert_close
 from .harness import passed, run_on_ranks
-from .kit import adamw_reference, alias, assert_adam_shards, bucket_label, check_class, global_batch, renamed_args
+from .kit import (adamw_reference, alias, assert_adam_shards, bucket_label, check_class, global_batch, lazy_transfers,
+                  renamed_args)
 
 __all__ = ["check_gather_free", "check_numerics", "check_memory", "check_traffic", "units_of",
            "with_reference_mechanics", "live_parameter_bytes"]
@@ -202,11 +205,13 @@ def _mechanics_case(rank, world_size, cls, model_name):
     opt = cls(model, lr=HYPER["lr"])
     name_of = {p: n for n, p in model.named_parameters()}
     offsets = [float(r + 1) for r in range(world_size)]
-    for bi, b in enumerate(opt.buckets):
-        label = bucket_label(bi, b, name_of)
-        truth = _full_values(b, [full[name_of[p]] for p in b.params], world_size)
-        _check_bucket(opt, bi, b, label, truth, name_of, full, offsets, rank, world_size)
-    del full, truth  # the check's own copies
+    # every transfer _start_gather starts delivers its data only at wait(), as a slow network would
+    with lazy_transfers(opt, "_start_gather", "_gathering") as lazies:
+        for bi, b in enumerate(opt.buckets):
+            label = bucket_label(bi, b, name_of)
+            truth = _full_values(b, [full[name_of[p]] for p in b.params], world_size)
+            _check_bucket(opt, bi, b, label, truth, name_of, full, offsets, rank, world_size, lazies)
+    del full, truth, lazies  # the check's own copies
     gc.collect()
     shard = sum(b.shard_numel for b in opt.buckets)
     replicated = sum(t.untyped_storage().nbytes() for t in [*model.buffers(), *model.parameters()]
@@ -275,15 +280,29 @@ def _storage_bytes(t):
     return t.untyped_storage().nbytes() if isinstance(t, torch.Tensor) else 0
 
 
-def _check_bucket(opt, bi, b, label, truth, name_of, full, offsets, rank, world_size):
+def _expect_waited(lazies, bi, call, label):
+    """The all-gather _start_gather started for bucket bi was waited for (wait()) by `call`."""
+    lazy = lazies.get(bi)
+    if lazy is not None and not lazy.waited:
+        raise AssertionError(
+            f"{call} of {label} never called wait() on the all-gather's work (the first entry _start_gather "
+            f"kept in self._gathering[{bi}]): an all-gather started with async_op=True may still be writing into "
+            "its buffer until work.wait() returns, so a view installed before then holds whatever the transfer "
+            "has written so far (this check's transfer delivers its data only at wait(), as a slow network "
+            "does: your parameters held NaN). Pop the entry, wait, then install the views")
+
+
+def _check_bucket(opt, bi, b, label, truth, name_of, full, offsets, rank, world_size, lazies):
     _expect_empty(opt, bi, b, f"at rest, {label}", name_of, who="the scaffold")
     if opt.flat_params[bi].numel() != b.shard_numel:
         raise AssertionError(f"at rest, flat_params[{bi}] has {opt.flat_params[bi].numel()} elements, expected "
                              f"this rank's shard: {b.shard_numel} (keep the scaffold's _install_flat_params)")
 
-    # 1. _finish_gather on its own: one all-gather of the padded bucket, the right values
+    # 1. _finish_gather on its own: one all-gather of the padded bucket, waited for, the right values
+    lazies.pop(bi, None)
     with CommCounter() as comm:
         opt._finish_gather(bi)
+    _expect_waited(lazies, bi, f"_finish_gather({bi})", label)
     calls = [(c.op, c.numel) for c in comm.calls]
     if calls != [("all_gather", b.padded_numel)]:
         raise AssertionError(f"_finish_gather({bi}) on an empty {label} made {calls or 'no collective'}; expected "
@@ -307,6 +326,7 @@ def _check_bucket(opt, bi, b, label, truth, name_of, full, offsets, rank, world_
             "self._full[bi].untyped_storage().resize_(0)")
 
     # 2. a prefetch: _start_gather twice, then _finish_gather, is one all-gather
+    lazies.pop(bi, None)
     with CommCounter() as comm:
         opt._start_gather(bi)
         opt._start_gather(bi)
@@ -326,6 +346,7 @@ def _check_bucket(opt, bi, b, label, truth, name_of, full, offsets, rank, world_
         raise AssertionError(f"right after _start_gather({bi}), {started_full[0]} is already full: _start_gather "
                              "only starts the transfer (it may still be in flight); _finish_gather waits for it "
                              "and installs the parameters")
+    _expect_waited(lazies, bi, f"_start_gather({bi}) and then _finish_gather({bi})", label)
     _expect_full(opt, bi, b, f"after _start_gather({bi}) and _finish_gather({bi}) of {label}", truth, name_of)
     if saved_view.untyped_storage().nbytes() == 0:
         raise AssertionError(
@@ -705,7 +726,7 @@ def check_gather_free(cls, world_size=2, model="mlp", timeout=60.0):
     res = run_on_ranks(_gather_free_case, world_size, args=(cls, model), what=f"{cls.__name__} on {model}",
                        timeout=timeout)
     passed(f"{cls.__name__} gathers and frees correctly on {world_size} ranks ({model}, {res[0]['buckets']} buckets): "
-           "one all-gather per gather, prefetches not repeated, every rank's current shard in place, the buffer's "
+           "one all-gather per gather, waited for before the views are installed, prefetches not repeated, every rank's current shard in place, the buffer's "
            "memory released by _free (under autograd's saved views too, and for a prefetch nobody used) and "
            "refilled by the next gather; in real steps under zerokit's hooks, a unit the model skipped left no "
            "buffer allocated")
