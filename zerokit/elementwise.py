@@ -24,12 +24,15 @@ vector), `torch.optim.Muon` (orthogonalises each whole matrix: lesson 09), Adafa
 the second moment by rows and columns), and any class with `elementwise = False`.
 """
 
+from dataclasses import dataclass
+
 import torch
 
+from .flat import FlatBucket
 from .zero1 import ZeRO1Adam
 from .zero2 import ZeRO2Adam
 
-__all__ = ["ZeRO1", "ZeRO2", "LocalOptimizerState", "check_elementwise"]
+__all__ = ["ZeRO1", "ZeRO2", "LocalOptimizerState", "SegmentShard", "check_elementwise"]
 
 # Whole-tensor optimizers, by class name (so a torch without one still imports this module).
 NOT_ELEMENTWISE = {
@@ -155,9 +158,35 @@ class _BringYourOwn:
             s.local.load_state_dict(saved)
 
     def state_shards(self):
-        raise NotImplementedError(f"{type(self).__name__} holds {self.optimizer_class.__name__}'s state, which "
-                                  "zerokit.checkpoint cannot save yet (it saves Adam's m and v); use state_dict() "
-                                  "on every rank")
+        """This rank's part of the state, one SegmentShard per bucket (lesson 07's contract, for any
+        optimizer): what zerokit.checkpoint saves and loads into. A bucket whose local optimizer no
+        step has built yet gets it now, with no state: a checkpoint may load into it."""
+        out = []
+        for i, (bucket, s) in enumerate(zip(self.buckets, self.shards)):
+            weights = self._param_shard(i)
+            if s.segments is None:
+                s._build(weights)
+            out.append(SegmentShard(bucket, self.bucket_group[i], weights, list(s.segments), s.local))
+        return out
+
+
+@dataclass
+class SegmentShard:
+    """One bucket's state on this rank where a torch optimizer steps this rank's shard through
+    segment Parameters (ZeRO1/ZeRO2 here, zerokit.FullyShard): what a checkpoint reads and fills.
+
+    bucket: the FlatBucket (its parameters, their offsets, this rank's segments).
+    group: the index of the bucket's param group (None: the user's optimizer knows its own groups).
+    weights: this rank's fp32 shard of the flat weights (the fp32 master under mixed precision).
+    params: one Parameter per bucket.segments, a view of its piece of `weights`.
+    optimizer: the optimizer whose state, keyed by those Parameters, holds the rest (None: the user's).
+    """
+
+    bucket: FlatBucket
+    group: int | None
+    weights: torch.Tensor
+    params: list
+    optimizer: torch.optim.Optimizer | None
 
 
 class ZeRO1(_BringYourOwn, ZeRO1Adam):

@@ -39,7 +39,7 @@ Where it differs from FSDP2: a shard parameter is a flat 1-D piece of a paramete
 flat buffer is cut anywhere; FSDP2 cuts each tensor along dim 0 and wraps the piece in a
 DTensor), so only elementwise optimizers see the right thing; frozen parameters stay whole
 and replicated (in compute_dtype) and are not among parameters(); and state_dict() is not
-implemented: use full_parameters().
+implemented: use full_parameters(), or zerokit.checkpoint.save(path, fs, opt) for the whole job.
 """
 
 import torch
@@ -49,6 +49,7 @@ from torch.utils._pytree import tree_map_only
 
 from .activations import in_backward
 from .comm import all_gather
+from .elementwise import SegmentShard
 from .mixed_precision import MixedPrecision, as_dtype
 from .zero3 import ZeRO3Adam
 
@@ -199,11 +200,28 @@ class FullyShard(nn.Module):
         gathered now; gradients: reduced shards and transfers in flight; masters)."""
         return self._sharding.memory_categories()
 
+    # ---- lesson 07: what a checkpoint saves and restores -------------------------------
+
+    def state_shards(self):
+        """This rank's shards, one SegmentShard per bucket (unit), for zerokit.checkpoint: the fp32
+        shard of the flat weights and the shard parameters that view it (their optimizer state is
+        whatever optimizer the user built on them)."""
+        sharding = self._sharding
+        return [SegmentShard(bucket, None, sharding._param_shard(bi), [param for _, param in pieces], None)
+                for bi, (bucket, pieces) in enumerate(zip(sharding.buckets, sharding.pieces))]
+
+    def loaded(self):
+        """The shards were overwritten in place (a checkpoint was loaded): drop any unit still
+        gathered, so the next forward gathers the loaded weights."""
+        self._sharding.loaded()
+
     def state_dict(self, *args, **kwargs):
         raise NotImplementedError("zerokit.FullyShard holds only this rank's shards, so a state_dict() of one rank "
                                   "would be a sliver of the model: use full_parameters() (a collective) for the "
-                                  "full tensors by name, and the optimizer's own state_dict() on every rank")
+                                  "full tensors by name, or zerokit.checkpoint.save(path, model, opt) on every "
+                                  "rank for the model and the optimizer's state (any world size can load it)")
 
     def load_state_dict(self, state_dict, strict=True, assign=False):
         raise NotImplementedError("zerokit.FullyShard cannot load a state_dict: load the full weights into the "
-                                  "model before wrapping it (rank 0's are broadcast at construction)")
+                                  "model before wrapping it (rank 0's are broadcast at construction), or "
+                                  "zerokit.checkpoint.load(path, model, opt) a checkpoint on every rank")

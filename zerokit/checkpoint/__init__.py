@@ -11,8 +11,10 @@ A ZeRO job's state exists only as the union of every rank's shards, so every ran
 This file is the lesson's reference (save, load, consolidate, and the exercises' save_shards,
 shard_reads, covering); its parts sit beside it: files.py (bytes written and read without
 copies, atomically, a COMPLETE marker, one error on every rank), state.py (one view of every
-stage's shards, for saving and loading), stream.py (build a ZeRO-3 model from a checkpoint
-unit by unit), dcp.py (to and from PyTorch Distributed Checkpoint, for FSDP2).
+stage's shards, for saving and loading), optimizers.py (beyond the lesson: any elementwise
+torch optimizer's state, under zerokit.ZeRO1/ZeRO2, DataParallel or FullyShard), stream.py
+(build a ZeRO-3 model from a checkpoint unit by unit), dcp.py (to and from PyTorch
+Distributed Checkpoint, for FSDP2).
 
 **The format.** A checkpoint is a directory (zerokit.checkpoint.files writes it atomically):
 
@@ -27,6 +29,11 @@ unit by unit), dcp.py (to and from PyTorch Distributed Checkpoint, for FSDP2).
 In fp32 a rank writes $(K + P)\Psi/N$ bytes, $K = 8$ (m, v) and $P = 4$ (weights), plus at most
 $N - 1$ elements of padding per bucket. Mixed precision saves the same 12 bytes: the fp32
 master is the weights, and the 16-bit weights are not saved (they are the master rounded).
+
+Any other elementwise optimizer is saved the same way (version 2, zerokit.checkpoint.optimizers):
+`tensors` in the metadata names what follows the weights in each bucket (SGD: momentum_buffer,
+$K = 4$; Adagrad: sum), and each parameter's entry carries its other numbers (`scalars`: a
+step count). Adam's checkpoints stay version 1, as the lesson writes them.
 
 **Resharding.** The offsets make a checkpoint independent of how it was cut. Rank r' of N'
 needs elements $[r'S', \min((r'+1)S', \Psi))$ of each flat buffer; old shard r holds
@@ -44,11 +51,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .files import (COMPLETE, METADATA, REPLICATED, CheckpointError, Reader, agree, commit,
+from .files import (COMPLETE, METADATA, REPLICATED, CheckpointError, CheckpointMismatch, Reader, agree, commit,
                                partial_dir, rank_file, read_json, write_json, write_tensors)
-from .state import (TENSORS, apply_description, check_same_model, describe, finish_load,
-                               group_hyperparameters, load_replicated, parameter_names, replicated, saved_shards,
-                               set_steps, stage_of, targets)
+from .optimizers import job_of
+from .state import (TENSORS, AdamJob, check_same_model, load_replicated, parameter_names, replicated,
+                               saved_kinds, saved_shards)
 from .stream import placeholders, stream_load
 
 def __getattr__(name):
@@ -62,10 +69,13 @@ def __getattr__(name):
 
 
 __all__ = ["save", "load", "consolidate", "stream_load", "placeholders", "save_shards", "shard_reads", "covering",
-           "tensor_offset", "read_metadata", "read_parameter", "read_replicated", "CheckpointError", "FORMAT",
-           "VERSION", "TENSORS"]
+           "tensor_offset", "read_metadata", "read_parameter", "read_replicated", "CheckpointError",
+           "CheckpointMismatch", "FORMAT", "VERSION", "ANY_VERSION", "TENSORS"]
 
 FORMAT, VERSION = "zerokit-checkpoint", 1
+# Beyond the lesson: another optimizer's tensors in the same layout. A new number, so that a
+# reader that knows only Adam's refuses it instead of reading SGD's momentum as Adam's m.
+ANY_VERSION = 2
 
 
 def _rank_world():
@@ -97,9 +107,11 @@ def shard_reads(numel, old_world, new_world, new_rank):
 
 def tensor_offset(meta, bucket, kind):
     """Byte offset, in every rank file, of the shard of `kind` ("weights", "exp_avg" or
-    "exp_avg_sq") of bucket number `bucket`: the buckets' shards lie end to end, TENSORS in order."""
+    "exp_avg_sq") of bucket number `bucket`: the buckets' shards lie end to end, TENSORS in order
+    (another optimizer's: the kinds meta["tensors"] names, in that order)."""
+    kinds = saved_kinds(meta)
     before = sum(b["shard_numel"] for b in meta["buckets"][:bucket])
-    return 4 * (len(TENSORS) * before + TENSORS.index(kind) * meta["buckets"][bucket]["shard_numel"])
+    return 4 * (len(kinds) * before + kinds.index(kind) * meta["buckets"][bucket]["shard_numel"])
 
 
 # ---------------------------------------------------------------------------------------
@@ -124,6 +136,18 @@ def save_shards(directory, model, opt):
     return {"format": FORMAT, "version": VERSION, "world_size": world, "tensors": list(TENSORS), "buckets": buckets}
 
 
+def save_any_shards(directory, job, summary):
+    """save_shards for any torch optimizer's state (a zerokit.checkpoint.optimizers job): the same
+    layout with the optimizer's own per-element tensors after the weights, and each parameter's
+    other numbers (`summary`, gathered from the ranks that hold them) in the metadata."""
+    rank, world = _rank_world()
+    write_tensors(Path(directory) / rank_file(rank), job.shard_tensors(world, rank))
+    if rank != 0:
+        return None
+    return {"format": FORMAT, "version": ANY_VERSION, "world_size": world, "tensors": list(job.kinds),
+            "buckets": job.bucket_metadata(world, rank, summary)}
+
+
 # ---------------------------------------------------------------------------------------
 # save and load: the whole job
 
@@ -135,9 +159,12 @@ def save(path, model, opt, *, save_shards=save_shards):
     tensors (frozen parameters, buffers). Nothing appears at `path` until every rank has
     written: a save that fails or is killed leaves `path` as it was. Extra memory: none for
     ZeRO's shards (their own bytes go to the file), one shard for DistributedAdam's copies.
+    Beyond the lesson, `opt` may be zerokit.ZeRO1/ZeRO2 with any elementwise torch optimizer,
+    or any torch optimizer on zerokit.DataParallel or zerokit.FullyShard (then `model` is the
+    wrapper): see zerokit.checkpoint.optimizers.
     """
     rank, _ = _rank_world()
-    stage_of(opt)  # a clear TypeError for an optimizer this cannot save
+    job = job_of(model, opt)  # who holds which state (a clear TypeError for what this cannot save)
     partial = partial_dir(path)
     what = f"cannot save {path}"
 
@@ -148,19 +175,23 @@ def save(path, model, opt, *, save_shards=save_shards):
             partial.mkdir(parents=True)
 
     agree(what, prepare)
+    summary = job.gather(what)  # beyond Adam: each parameter's numbers, from the ranks that hold them
 
     def write():
-        meta = save_shards(partial, model, opt)
+        if isinstance(job, AdamJob):
+            meta = save_shards(partial, model, opt)
+        else:
+            meta = save_any_shards(partial, job, summary)
         if rank == 0:
             saved = {p["name"] for b in meta["buckets"] for p in b["params"]}
-            entries = replicated(model, saved)
+            entries = replicated(job.model, saved)
             meta["replicated"], offset = [], 0
             for name, t in entries:
                 meta["replicated"].append({"name": name, "dtype": str(t.dtype).removeprefix("torch."),
                                            "shape": list(t.shape), "offset": offset})
                 offset += t.numel() * t.element_size()
             write_tensors(partial / REPLICATED, (t for _, t in entries))
-            write_json(partial / METADATA, {**meta, **describe(model, opt)})
+            write_json(partial / METADATA, {**meta, **job.describe(summary)})
 
     agree(what, write)
     agree(what, lambda: commit(partial, path) if rank == 0 else None)
@@ -180,12 +211,13 @@ def read_metadata(path):
         raise CheckpointError(f"{path / METADATA} cannot be read: {exc}") from None
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a zerokit checkpoint (format {meta.get('format')!r})")
-    if meta.get("version") != VERSION:
-        raise CheckpointError(f"{path} has format version {meta.get('version')!r}; this zerokit reads version {VERSION}")
+    if meta.get("version") not in (VERSION, ANY_VERSION):
+        raise CheckpointError(f"{path} has format version {meta.get('version')!r}; this zerokit reads versions "
+                              f"{VERSION} and {ANY_VERSION}")
     problem = next(_inconsistencies(meta), None)
     if problem:
         raise CheckpointError(f"{path / METADATA} does not describe a checkpoint: {problem}")
-    size = 4 * len(TENSORS) * sum(b["shard_numel"] for b in meta["buckets"])
+    size = 4 * len(saved_kinds(meta)) * sum(b["shard_numel"] for b in meta["buckets"])
     for r in range(meta["world_size"]):
         f = path / rank_file(r)
         if not f.exists() or f.stat().st_size != size:
@@ -198,7 +230,11 @@ def _inconsistencies(meta):
     """What in the metadata cannot be: shards that are not ceil(numel / N), parameters that overlap or
     run past their bucket (a reader trusting them would read the wrong bytes, or none)."""
     try:
-        world = meta["world_size"]
+        world, kinds = meta["world_size"], saved_kinds(meta)
+        if kinds[:1] != ("weights",) or len(set(kinds)) != len(kinds):
+            yield f"tensors {list(kinds)} should be 'weights' and then the optimizer's, each once"
+        if meta["version"] == VERSION and kinds != TENSORS:
+            yield f"version {VERSION} holds Adam's tensors {list(TENSORS)}, not {list(kinds)}"
         for bi, b in enumerate(meta["buckets"]):
             if b["shard_numel"] != -(-b["numel"] // world):
                 yield f"bucket {bi} has shard_numel {b['shard_numel']}, not ceil({b['numel']} / {world})"
@@ -216,39 +252,41 @@ def _inconsistencies(meta):
 def load(path, model, opt, *, reads=None):
     """Load a checkpoint into `model` and `opt` on every rank (a collective), whatever world size
     and stage saved it. Everything is checked first, on every rank: a checkpoint that is
-    incomplete, of another model or of an unknown version raises the same CheckpointError on
-    every rank and changes nothing. (What cannot be checked first is the disk itself: an I/O
-    error in the middle of the reads leaves a half-loaded optimizer, to be loaded again.)
+    incomplete, of another model, of another optimizer or of an unknown version raises the same
+    CheckpointError on every rank and changes nothing. (What cannot be checked first is the disk
+    itself: an I/O error in the middle of the reads leaves a half-loaded optimizer, to be loaded again.)
 
     reads: a whole-shard map like shard_reads (the lesson's exercise), used for every bucket;
     those must then hold the same parameters as the saved ones. By default shard_reads serves
     the buckets that do, and every other piece is found by name.
     """
     rank, world = _rank_world()
-    names = parameter_names(model)
+    job = job_of(model, opt)  # who holds which state: the lessons' Adam, or a torch optimizer's (optimizers.py)
+    names = parameter_names(job.model)
 
     def check():
         meta = read_metadata(path)
-        check_same_model(meta, model, opt)
-        group_hyperparameters(model, opt, meta.get("param_groups") or [])  # raises if the groups differ
+        check_same_model(meta, job.model, job.trained_shapes())
+        job.check(meta)  # the same optimizer class, state keys and param groups
         if reads is not None:
-            unmatched = [i for i, sh in enumerate(_state_shards(opt)) if _saved_bucket(meta, sh, names) is None]
-            if stage_of(opt) == "ddp" or unmatched:
+            shards = _state_shards(job)
+            if not shards or any(_saved_bucket(meta, sh, names) is None for sh in shards):
                 raise ValueError("whole-shard reads need every bucket to hold the same parameters as a saved one")
         return meta
 
     meta = agree(f"cannot load {path}", check)
     with torch.no_grad(), Reader(path) as reader:  # from here on nothing can be refused
-        for name, offset, dest in _plan(meta, model, opt, rank, world, reads or shard_reads):
+        for name, offset, dest in _plan(meta, job, rank, world, reads or shard_reads):
             reader.read(name, offset, dest)
-        load_replicated(meta, model, reader)
-    set_steps(model, opt, {p["name"]: p["step"] for b in meta["buckets"] for p in b["params"]})
-    apply_description(meta, model, opt)
-    finish_load(opt)
+        load_replicated(meta, job.model, reader)
+    job.set_state(meta)  # Adam's step counts (any optimizer: each parameter's numbers)
+    job.apply(meta)  # hyperparameters per param group, the loss scaler
+    job.finish_load()
 
 
-def _state_shards(opt):
-    return [] if stage_of(opt) == "ddp" else opt.state_shards()
+def _state_shards(job):
+    """The lessons' ZeRO shards (StateShard: one tensor per kind, whole), which whole-shard reads fill."""
+    return job.state_shards() if isinstance(job, AdamJob) else []
 
 
 def _saved_bucket(meta, shard, names):
@@ -260,12 +298,12 @@ def _saved_bucket(meta, shard, names):
     return None
 
 
-def _plan(meta, model, opt, rank, world, reads):
+def _plan(meta, job, rank, world, reads):
     """[(file, byte offset, destination)]: every read that fills this rank's state."""
-    names = parameter_names(model)
+    names = parameter_names(job.model)
     where = {p["name"]: (bi, p["offset"]) for bi, b in enumerate(meta["buckets"]) for p in b["params"]}
     out, whole = [], set()
-    for sh in _state_shards(opt):  # a bucket the checkpoint has as it is: whole shards, the lesson's map
+    for sh in _state_shards(job):  # a bucket the checkpoint has as it is: whole shards, the lesson's map
         bi = _saved_bucket(meta, sh, names)
         if bi is not None:
             whole.add(id(sh.bucket))  # by bucket: state_shards() makes new StateShard objects at each call
@@ -274,14 +312,14 @@ def _plan(meta, model, opt, rank, world, reads):
                 for kind in TENSORS:
                     dest = getattr(sh, kind)[lo - start:hi - start]
                     out.append((rank_file(r), tensor_offset(meta, bi, kind) + 4 * (lo - r * size), dest))
-    for t in targets(model, opt):  # any other piece, by name: wherever its offset puts it
+    for t in job.targets(meta):  # any other piece, by name: wherever its offset puts it
         if t.shard is not None and id(t.shard.bucket) in whole:
             continue
         bi, offset = where[t.name]
         size = meta["buckets"][bi]["shard_numel"]
         for r, lo, hi in covering(offset + t.lo, offset + t.hi, size):
-            for kind in TENSORS:
-                dest = t.views[kind][lo - offset - t.lo:hi - offset - t.lo]
+            for kind, view in t.views.items():  # Adam: TENSORS; another optimizer: its own
+                dest = view[lo - offset - t.lo:hi - offset - t.lo]
                 out.append((rank_file(r), tensor_offset(meta, bi, kind) + 4 * (lo - r * size), dest))
     return out
 

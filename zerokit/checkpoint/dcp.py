@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 
 from . import FORMAT, VERSION, read_metadata, read_parameter, read_replicated
 from .files import METADATA, REPLICATED, Reader, commit, partial_dir, rank_file, write_json, write_tensors
-from .state import TENSORS, aliases
+from .state import ADAMW, TENSORS, aliases, saved_class, saved_kinds
 
 __all__ = ["to_dcp", "from_dcp"]
 
@@ -62,6 +62,9 @@ def to_dcp(src, dst):
     """Write the zerokit checkpoint `src` as a DCP checkpoint at `dst` that an FSDP2 model with
     torch.optim.AdamW loads with dcp.load (any number of ranks). One process, no process group."""
     meta = read_metadata(src)
+    if saved_class(meta) != ADAMW or saved_kinds(meta) != TENSORS:
+        raise ValueError(f"{src} holds the state of {saved_class(meta)} ({list(saved_kinds(meta))}); to_dcp writes "
+                         "torch.optim.AdamW's layout (exp_avg, exp_avg_sq, step)")
     steps = {p["name"]: p["step"] for b in meta["buckets"] for p in b["params"]}
     shapes = {p["name"]: p["shape"] for b in meta["buckets"] for p in b["params"]}
     replicated = {e["name"]: e for e in meta.get("replicated", [])}

@@ -14,7 +14,8 @@ What zerokit.checkpoint (lesson 07) stands on, in three parts:
   to `<path>` (a rename is atomic). A save killed halfway leaves `<path>` as it was.
 - **agreement.** Whatever a rank finds wrong (a missing file, another model), every rank must
   raise, or the others would wait forever in the next collective. `agree()` gathers each
-  rank's verdict and raises the same one-line CheckpointError everywhere.
+  rank's verdict and raises the same one-line CheckpointError everywhere (CheckpointMismatch,
+  also a ValueError, where the checkpoint is of another model or optimizer).
 """
 
 import json
@@ -25,8 +26,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-__all__ = ["CheckpointError", "METADATA", "COMPLETE", "REPLICATED", "rank_file", "write_tensors", "read_into",
-           "Reader", "write_json", "read_json", "partial_dir", "commit", "agree"]
+__all__ = ["CheckpointError", "CheckpointMismatch", "METADATA", "COMPLETE", "REPLICATED", "rank_file", "write_tensors",
+           "read_into", "Reader", "write_json", "read_json", "partial_dir", "commit", "agree"]
 
 METADATA, COMPLETE, REPLICATED = "metadata.json", "COMPLETE", "replicated.bin"
 CHUNK = 1 << 22  # bytes: the most a copy between a GPU and the file holds at once
@@ -34,6 +35,11 @@ CHUNK = 1 << 22  # bytes: the most a copy between a GPU and the file holds at on
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be saved or loaded; the message says why, in one line."""
+
+
+class CheckpointMismatch(CheckpointError, ValueError):
+    """The checkpoint is sound but not for this job: another model, another optimizer class or
+    other optimizer state keys. A ValueError too, as the check that found it raised."""
 
 
 def rank_file(rank):
@@ -170,22 +176,25 @@ def agree(what, fn, group=None):
     """fn() on every rank; if it raised on any rank, raise one CheckpointError on every rank.
 
     The message is `what: <reason>`, the reason of the lowest rank that failed (its rank named
-    when the ranks disagree). A collective: every rank must call it, also the ones that succeed.
+    when the ranks disagree); a CheckpointMismatch where that reason was a ValueError. A
+    collective: every rank must call it, also the ones that succeed.
     """
     result, reason = None, None
     try:
         result = fn()
     except CheckpointError as exc:
-        reason = str(exc)
+        reason = (str(exc), isinstance(exc, ValueError))
     except Exception as exc:  # noqa: BLE001 (any failure, or the other ranks would hang)
-        reason = f"{type(exc).__name__}: {exc}" if str(exc) else f"{type(exc).__name__} (with no message)"
+        why = f"{type(exc).__name__}: {exc}" if str(exc) else f"{type(exc).__name__} (with no message)"
+        reason = (why, isinstance(exc, ValueError))  # a ValueError: a mismatch (CheckpointMismatch)
     reasons = [reason]
     if dist.is_initialized():
         reasons = [None] * dist.get_world_size(group)
         dist.all_gather_object(reasons, reason, group=group)
     failed = [(r, why) for r, why in enumerate(reasons) if why is not None]
     if failed:
-        rank, why = failed[0]
+        rank, (why, mismatch) = failed[0]
         same = len(failed) == len(reasons) and len({w for _, w in failed}) == 1
-        raise CheckpointError(f"{what}: {why}" + ("" if same or len(reasons) == 1 else f" (on rank {rank})"))
+        error = CheckpointMismatch if mismatch else CheckpointError
+        raise error(f"{what}: {why}" + ("" if same or len(reasons) == 1 else f" (on rank {rank})"))
     return result

@@ -10,6 +10,12 @@ all of it.
 Besides the shards a checkpoint needs what makes a run resumable and a model whole:
 `describe()` (the stage, each param group's hyperparameters, the loss scaler, tied names)
 and `replicated()` (what every rank holds whole: frozen parameters and buffers).
+
+`AdamJob` bundles all of this behind the interface zerokit.checkpoint.save and load call;
+zerokit.checkpoint.optimizers has the same interface for any torch optimizer's state. What
+the metadata says about the optimizer (its class, its state keys, each parameter's numbers)
+is read through `saved_class`, `saved_state_keys` and `saved_numbers`, which also read the
+checkpoints written before the format named anything but Adam (version 1: Adam, implied).
 """
 
 from dataclasses import dataclass
@@ -23,12 +29,18 @@ from ..zero2 import ZeRO2Adam
 from ..zero3 import ShardedParameters
 from .files import REPLICATED
 
-__all__ = ["TENSORS", "HYPER", "stage_of", "parameter_names", "saved_shards", "Target", "targets", "set_steps",
-           "finish_load", "trained_shapes", "check_same_model", "load_replicated", "describe", "apply_description",
-           "group_hyperparameters", "aliases", "replicated"]
+__all__ = ["TENSORS", "HYPER", "ADAMW", "stage_of", "parameter_names", "saved_shards", "Target", "targets",
+           "set_steps", "finish_load", "trained_shapes", "check_same_model", "load_replicated", "describe",
+           "apply_description", "group_hyperparameters", "aliases", "replicated", "AdamJob", "saved_class",
+           "saved_kinds", "saved_state_keys", "saved_numbers", "check_optimizer_class", "loss_scaler",
+           "restore_loss_scaler"]
 
 TENSORS = ("weights", "exp_avg", "exp_avg_sq")  # per bucket, in this order, in every rank file
 HYPER = ("lr", "betas", "eps", "weight_decay")
+# The update rule of the lessons' optimizers: zerokit's Adam is torch's AdamW, bit for bit
+# (lesson 01), so their checkpoints and torch.optim.AdamW's hold the same state.
+ADAMW = "torch.optim.AdamW"
+ADAM_STATE_KEYS = ("exp_avg", "exp_avg_sq", "step")
 
 
 def stage_of(opt):
@@ -101,8 +113,8 @@ def saved_shards(opt, world_size, rank):
 @dataclass
 class Target:
     """Elements [lo, hi) of the flattened parameter `name` that this rank must fill, and where:
-    `views[kind]` is a 1-D tensor of hi - lo elements for each kind in TENSORS. `shard` is the
-    whole StateShard the piece lies in (ZeRO), for whole-shard reads."""
+    `views[kind]` is a 1-D tensor of hi - lo elements for each kind to read (TENSORS for Adam).
+    `shard` is the whole StateShard the piece lies in (ZeRO), for whole-shard reads."""
 
     name: str
     lo: int
@@ -194,7 +206,6 @@ def describe(model, opt):
     """The metadata a resumable job needs besides the buckets (rank 0 writes it)."""
     names = parameter_names(model)
     precision = getattr(opt, "precision", None)
-    scaler = getattr(precision, "scaler", None)
     groups = [{**{k: g[k] for k in HYPER}, "params": [names[p] for p in g["params"] if p.requires_grad]}
               for g in opt.param_groups]
     return {
@@ -202,11 +213,25 @@ def describe(model, opt):
         "optimizer": type(opt).__name__,
         "param_groups": [{**g, "betas": list(g["betas"])} for g in groups],
         "param_dtype": str(precision.param_dtype).removeprefix("torch.") if precision.param_dtype else None,
-        "loss_scaler": None if scaler is None else
-        {"scale": scaler.scale, "clean_steps": scaler.clean_steps, "skipped_steps": scaler.skipped_steps},
+        "loss_scaler": loss_scaler(opt),
         "aliases": aliases(model),
         "keys": list(model.state_dict().keys()),
     }
+
+
+def loss_scaler(opt):
+    """The fp16 loss scaler's state (lesson 06), or None where there is none."""
+    scaler = getattr(getattr(opt, "precision", None), "scaler", None)
+    if scaler is None:
+        return None
+    return {"scale": scaler.scale, "clean_steps": scaler.clean_steps, "skipped_steps": scaler.skipped_steps}
+
+
+def restore_loss_scaler(meta, opt):
+    scaler = getattr(getattr(opt, "precision", None), "scaler", None)
+    if scaler is not None and meta.get("loss_scaler"):
+        s = meta["loss_scaler"]
+        scaler.scale, scaler.clean_steps, scaler.skipped_steps = float(s["scale"]), s["clean_steps"], s["skipped_steps"]
 
 
 def group_hyperparameters(model, opt, saved_groups):
@@ -229,10 +254,7 @@ def apply_description(meta, model, opt):
     """Hyperparameters per param group and the loss scaler, as saved (what the metadata has of them)."""
     for g, saved in group_hyperparameters(model, opt, meta.get("param_groups") or []):
         g.update({k: tuple(saved[k]) if k == "betas" else saved[k] for k in HYPER})
-    scaler = getattr(getattr(opt, "precision", None), "scaler", None)
-    if scaler is not None and meta.get("loss_scaler"):
-        s = meta["loss_scaler"]
-        scaler.scale, scaler.clean_steps, scaler.skipped_steps = float(s["scale"]), s["clean_steps"], s["skipped_steps"]
+    restore_loss_scaler(meta, opt)
 
 
 # ---------------------------------------------------------------------------------------
@@ -247,9 +269,9 @@ def trained_shapes(model, opt):
     return {names[p]: shape for sh in opt.state_shards() for p, shape in zip(sh.bucket.params, sh.bucket.shapes)}
 
 
-def check_same_model(meta, model, opt):
-    """ValueError naming the first difference between a checkpoint's metadata and this model and optimizer."""
-    want = trained_shapes(model, opt)
+def check_same_model(meta, model, want):
+    """ValueError naming the first difference between a checkpoint's metadata and this model, whose
+    optimizer trains the parameters `want` ({name: shape})."""
     saved = {p["name"]: p["shape"] for b in meta["buckets"] for p in b["params"]}
     if saved.keys() != want.keys():
         extra, missing = sorted(saved.keys() - want.keys()), sorted(want.keys() - saved.keys())
@@ -277,3 +299,86 @@ def load_replicated(meta, model, reader):
             del t.zerokit_placeholder
         else:
             t.data.copy_(saved)
+
+
+# ---------------------------------------------------------------------------------------
+# what the metadata says of the optimizer (version 1 named only Adam's, by implication)
+
+
+def saved_class(meta):
+    """The optimizer class whose state the checkpoint holds, e.g. "torch.optim.SGD"."""
+    return meta.get("optimizer_class", ADAMW)
+
+
+def saved_kinds(meta):
+    """The tensors of every bucket, in file order: "weights", then the optimizer's per-element ones."""
+    return tuple(meta.get("tensors", TENSORS))
+
+
+def saved_state_keys(group):
+    """The state keys the optimizer keeps per parameter in a saved param group (per element or not)."""
+    return tuple(group.get("state_keys", ADAM_STATE_KEYS))
+
+
+def saved_numbers(entry):
+    """A saved parameter's per-parameter numbers ({"step": 3.0, ...}), or None: it has no state yet
+    (never stepped). Version 1 has only Adam's step count, where 0 means no state."""
+    if "scalars" in entry:
+        return entry["scalars"]
+    return None if entry["step"] == 0 else {"step": entry["step"]}
+
+
+def check_optimizer_class(meta, mine):
+    """ValueError unless the checkpoint holds the state of the optimizer class `mine`."""
+    saved = saved_class(meta)
+    if saved != mine:
+        per_element = ", ".join(saved_kinds(meta)[1:]) or "nothing"
+        raise ValueError(f"the checkpoint holds the state of {saved} ({per_element} per element); this optimizer "
+                         f"is {mine}: one optimizer's state means nothing to another. Load it with {saved}, or start "
+                         f"{mine} afresh from the saved weights (zerokit.checkpoint.consolidate)")
+
+
+class AdamJob:
+    """The lessons' optimizers (DistributedAdam, ZeRO1/2/3Adam) as zerokit.checkpoint.save and
+    load see them: the functions above, behind the interface any torch optimizer's state has
+    too (zerokit.checkpoint.optimizers)."""
+
+    optimizer_class = ADAMW
+
+    def __init__(self, model, opt):
+        self.stage = stage_of(opt)  # a clear TypeError for an optimizer this cannot save
+        self.model, self.opt = model, opt
+
+    def state_shards(self):
+        """The whole-shard view that lesson 07's resharding map reads into (none for DistributedAdam)."""
+        return [] if self.stage == "ddp" else self.opt.state_shards()
+
+    def gather(self, what):
+        return None  # nothing to gather: every rank knows the step count of every parameter of its buckets
+
+    def trained_shapes(self):
+        return trained_shapes(self.model, self.opt)
+
+    def check(self, meta):
+        """ValueError unless the checkpoint holds AdamW's state, in param groups that fit this optimizer's."""
+        check_optimizer_class(meta, ADAMW)
+        for g in meta.get("param_groups") or []:
+            if set(saved_state_keys(g)) != set(ADAM_STATE_KEYS):  # e.g. torch's AdamW(amsgrad=True)
+                raise ValueError(f"the checkpoint's AdamW keeps {sorted(saved_state_keys(g))} per parameter, "
+                                 f"zerokit's Adam {sorted(ADAM_STATE_KEYS)}: saved with amsgrad=True?")
+        group_hyperparameters(self.model, self.opt, meta.get("param_groups") or [])  # raises if the groups differ
+
+    def targets(self, meta):
+        return targets(self.model, self.opt)
+
+    def set_state(self, meta):
+        set_steps(self.model, self.opt, {p["name"]: p["step"] for b in meta["buckets"] for p in b["params"]})
+
+    def describe(self, summary):
+        return describe(self.model, self.opt)
+
+    def apply(self, meta):
+        apply_description(meta, self.model, self.opt)
+
+    def finish_load(self):
+        finish_load(self.opt)
