@@ -185,6 +185,25 @@ def test_consolidate_defects_fail_exactly_their_checks(fn, expected, capsys):
     fails_exactly(CONSOLIDATE_CHECKS, fn, expected, capsys)
 
 
+@pytest.mark.timeout(90)
+def test_the_consolidation_memory_reason_and_its_pass_state_the_same_limit(capsys):
+    """The ✓ and the failure name one limit, the output plus the largest parameter, and its value
+    (the ✓ once printed the largest parameter alone as "limit")."""
+    import re
+
+    lesson07.check_consolidate_memory(SOLUTION.consolidate, world_size=2)
+    said = capsys.readouterr().out
+    reason = fails(lesson07.check_consolidate_memory, ReadsEverythingFirst, world_size=2, match="over the limit")
+    limits = [re.search(r"the limit ([\d.]+) MiB = the output \(deep-mlp's state_dict, ([\d.]+) MiB\) \+ the largest "
+                        r"parameter \(([\d.]+) MiB\)", text) for text in (said, reason)]
+    assert all(limits), (said, reason)
+    assert limits[0].groups() == limits[1].groups(), (said, reason)
+    total, output, largest = map(float, limits[0].groups())
+    assert abs(total - output - largest) <= 0.011
+    peaks = [float(re.search(r"peak memory was ([\d.]+) MiB", text).group(1)) for text in (said, reason)]
+    assert peaks[0] <= total < peaks[1], (said, reason)
+
+
 # ---------------------------------------------------------------------------------------
 # check your understanding; the untouched notebook; the hidden configurations
 
