@@ -257,6 +257,19 @@ def test_each_bug_fails_exactly_its_check(bug, capsys):
     fails_exactly(VISIBLE, bug, BUGS[bug], capsys, may_also_fail=MAY_ALSO_FAIL.get(bug, ()), timeout=SHORT_TIMEOUT)
 
 
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_the_bucket_order_rule_is_told_only_where_the_gradient_shards_point_at_it(capsys):
+    """check_unused_parameters once added its rule (same reduce-scatters, same order, every bucket
+    flushed) to every failure: a sum for a mean that drifted the weights was told about bucket order.
+    Now the shards backward left say which: a bucket never sent gets the rule, a sum gets the sum."""
+    summed = outcome(VISIBLE["unused_parameters"], SumNotMean, capsys, timeout=SHORT_TIMEOUT)
+    if summed is not None:  # Adam may hide the scale within the tolerance
+        assert "the reduce-scatter summed" in summed and lesson04.ORDER_RULE not in summed, summed
+    unflushed = outcome(VISIBLE["unused_parameters"], NoFlush, capsys, timeout=SHORT_TIMEOUT)
+    assert unflushed is not None and lesson04.ORDER_RULE in unflushed and "grad_shards[" in unflushed, unflushed
+
+
 # ---------------------------------------------------------------------------------------
 # the stretch exercise: clipping sharded gradients, checked when attempted and worth no points
 

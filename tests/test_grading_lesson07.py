@@ -9,7 +9,7 @@ names the problem, and pass the others: one bug costs its own points only.
 |---|---|---|---|
 | (a) save_shards | every rank gathers and saves everything | memory | "Each rank writes only what it owns" |
 | (a) | offsets counted across buckets | numerics | "runs past the bucket" (the loader refuses it) |
-| (a) | m written before the weights | numerics | "differ from what was saved" |
+| (a) | the tensors written in reverse order | numerics | "They are the saved v (exp_avg_sq)", no layout hint |
 | (a) | hands the work to zerokit's save_shards | numerics, memory | "zerokit's own" |
 | (b) shard_reads | shards of numel // N (off by the padding) | reshard | "expected" |
 | (b) | reads the padding | reshard | "expected" |
@@ -103,7 +103,7 @@ CALLS_ZEROKIT_SAVE = '''def save_shards(directory, model, opt):
 SAVE_DEFECTS = [
     (EveryRankSavesEverything, {"memory": "Each rank writes only what it owns"}),
     (OffsetsAcrossBuckets, {"numerics": "runs past the bucket"}),
-    (MFirst, {"numerics": "differ from what was saved"}),
+    (MFirst, {"numerics": "They are the saved v (exp_avg_sq)"}),
     (CallsZerokitSave, {"numerics": "zerokit's own", "memory": "zerokit's own"}),
 ]
 
@@ -112,6 +112,14 @@ SAVE_DEFECTS = [
 @pytest.mark.parametrize("fn, expected", SAVE_DEFECTS, ids=["everything", "offsets", "m_first", "zerokit"])
 def test_save_defects_fail_exactly_their_checks(fn, expected, capsys):
     fails_exactly(SAVE_CHECKS, fn, expected, capsys)
+
+
+@pytest.mark.timeout(90)
+def test_a_wrong_save_gets_the_hint_its_numbers_show_and_no_other():
+    """Tensors written in the wrong order are told so; the hint about offsets and the file's layout,
+    once added to every difference, is not."""
+    reason = fails(lesson07.check_numerics, MFirst, world_size=2, model="mlp", match="differ from what was saved")
+    assert "They are the saved v (exp_avg_sq)" in reason and "offset" not in reason, reason
 
 
 # ---------------------------------------------------------------------------------------

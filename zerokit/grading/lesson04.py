@@ -158,17 +158,53 @@ def _numerics_case(rank, world_size, cls, model_name, bucket_numel, ref):
     return True
 
 
+ORDER_RULE = ("every rank must issue the same reduce-scatters in the same order: buckets 0, 1, 2, ... strictly in "
+              "turn, and at the end of backward every bucket not sent yet, with zeros for the gradients that never "
+              "came")
+
+
 def _params_case(rank, world_size, cls, model_name, bucket_numel, ref):
-    """Weights after every step, against the reference (one backward per step)."""
+    """Weights after every step, against the reference (one backward per step). Wrong weights are
+    explained from the gradient shards backward left (kept before the step): the rule of
+    check_unused_parameters only where a bucket's shard is missing or wrong."""
     model, opt, buckets, name_of = _setup(rank, world_size, cls, model_name, bucket_numel)
+    weights = None  # the zoo's initial weights, as the reference's
     for step, want in enumerate(ref):
         x, y = _micro_batch(model_name, step, world_size, rank, 0, 1)
         _loss(model_name, model, x, y, rank).backward()
+        shards = getattr(opt, "grad_shards", None)
+        kept = [g.detach().clone() if isinstance(g, torch.Tensor) else g for g in shards] \
+            if isinstance(shards, list) else None
         opt.step()
         opt.zero_grad()
         for name, p in model.named_parameters():
-            assert_close(p.detach(), want["params"][name], f"step {step + 1}: parameter {name} after the step")
+            try:
+                assert_close(p.detach(), want["params"][name], f"step {step + 1}: parameter {name} after the step")
+            except AssertionError as exc:
+                cause = _shard_cause(model_name, weights, step, world_size, kept, buckets, name_of)
+                raise AssertionError(f"{exc} ({cause})") from None
+        weights = want["params"]
     return True
+
+
+def _shard_cause(model_name, weights, step, world_size, kept, buckets, name_of):
+    """Why the weights after `step` are wrong, read from this rank's gradient shards after backward."""
+    expected = _micro_gradients(model_name, weights, step, world_size, 1)[0]
+    expected = {n: g for n, g in expected.items() if g is not None}
+    if kept is None or len(kept) != len(buckets):
+        return ORDER_RULE
+    for bi, b in enumerate(buckets):
+        got, want = kept[bi], state_shard(b, expected, name_of)
+        if not isinstance(got, torch.Tensor) or got.shape != want.shape:
+            return f"after backward grad_shards[{bi}] was {'None' if got is None else 'not its shard'}: {ORDER_RULE}"
+        if torch.allclose(got, want, atol=1e-6, rtol=1e-4):
+            continue
+        if bool(want.abs().max() > 0) and torch.allclose(got, world_size * want, atol=1e-6, rtol=1e-4):
+            return (f"after backward grad_shards[{bi}] was {world_size} x the mean gradient: the reduce-scatter "
+                    "summed; average over the ranks (ReduceOp.AVG)")
+        return f"after backward grad_shards[{bi}] was not this rank's shard of the mean gradient: {ORDER_RULE}"
+    return ("the gradient shards were right after backward, so the difference comes from the step, not from "
+            "the reduce-scatters")
 
 
 def _micro_gradients(model_name, weights, step, world_size, accum):
@@ -460,14 +496,14 @@ def check_unused_parameters(cls, world_size=2, models=("edge", "branch"), bucket
         try:
             _run(_params_case, cls, world_size, (model, bucket_numel, ref), what, timeout)
         except CheckFailed as exc:
-            rule = ("every rank must issue the same reduce-scatters in the same order: buckets 0, 1, 2, ... strictly in "
-                    "turn, and at the end of backward every bucket not sent yet, with zeros for the gradients that "
-                    "never came")
             first, _, rest = str(exc).partition("\n")
             if first.startswith("your code raised"):  # the exception names the problem: the rule after it
-                raise CheckFailed(f"{exc}\n  ({rule})") from None
-            # a hang or wrong weights: the rule is the likely cause, so it joins the line the feedback shows
-            raise CheckFailed(f"{first} ({rule})" + (f"\n{rest}" if rest else "")) from None
+                raise CheckFailed(f"{exc}\n  ({ORDER_RULE})") from None
+            if "after the step differs" in first:  # wrong weights: _params_case named the cause from the shards
+                raise
+            # a hang, or a crash (gloo aborts on mismatched collectives): the rule is the likely cause, on the
+            # line the feedback shows
+            raise CheckFailed(f"{first} ({ORDER_RULE})" + (f"\n{rest}" if rest else "")) from None
     passed(f"{cls.__name__} handles parameters without a gradient on {world_size} ranks ({', '.join(models)}): "
            f"no hang, weights match torch.optim.AdamW for {steps} steps")
 

@@ -126,15 +126,19 @@ _KIND = {"weights": "the weights", "exp_avg": "m (exp_avg)", "exp_avg_sq": "v (e
 
 
 def _compare_loaded(model, opt, truth, steps, what, hint):
+    """`hint`: why loaded values land in the wrong place (a str), or a function of (truth, name, kind, lo,
+    hi, loaded) that says why where the numbers show it, else ''."""
     pieces, loaded_steps = _held(model, opt)
     for name, lo, hi, views in pieces:
         for k, t in views.items():
             expected = truth[name][k][lo:hi]
             if not torch.equal(t, expected):
                 i = int((t != expected).nonzero()[0])
+                why = hint(truth, name, k, lo, hi, t) if callable(hint) else hint
                 raise AssertionError(
                     f"{what}: {_KIND[k]} of {name}, elements [{lo}, {hi}), differ from what was saved (first at "
-                    f"element {lo + i}: saved {float(expected[i]):.6g}, loaded {float(t[i]):.6g}). {hint}")
+                    f"element {lo + i}: saved {float(expected[i]):.6g}, loaded {float(t[i]):.6g})"
+                    + (f". {why}" if why else ""))
     wrong = {n: (steps[n], s) for n, s in loaded_steps.items() if steps[n] != s}
     if wrong:
         raise AssertionError(f"{what}: Adam's step counts came back wrong (saved, loaded): {dict(list(wrong.items())[:3])}")
@@ -204,13 +208,30 @@ def _load_case(rank, world_size, name, stage, path, truth, steps, reference, rea
             load(path, model, opt, reads=reads)
         except CheckpointError as exc:
             raise AssertionError(f"zerokit.checkpoint.load refused the checkpoint: {exc}") from None
-        hint = ("Is each parameter's \"offset\" its position in its own bucket's flat buffer (bucket.offsets), "
-                "each bucket's shard_numel its own, and the file's order bucket by bucket, TENSORS in order?"
-                if reads is None else
+        hint = (_misplaced if reads is None else
                 "Your map sent elements to the wrong place: shards are ceil(numel/N) long, rank r' of N' holds "
                 "[r'S', min((r'+1)S', numel)) and old rank q holds [qS, (q+1)S)")
         _compare_loaded(model, opt, truth, steps, what, hint)
         _continue_like_adamw(name, model, opt, rank, world_size, reference, what)
+
+
+def _misplaced(truth, name, kind, lo, hi, loaded):
+    """Why your save_shards' file gave `loaded` for elements [lo, hi) of `kind` of `name`, where the
+    numbers show it: the saved values of another kind there, or saved values of this kind from
+    elsewhere (the layout); '' otherwise (the file holds numbers that were never saved)."""
+    got = loaded.reshape(-1)
+    if not got.numel():
+        return ""
+    for other, saved in truth[name].items():
+        if other != kind and torch.equal(got, saved[lo:hi].reshape(-1)):
+            return (f"They are the saved {_KIND[other]}: write each of a shard's tensors under its own name, in the "
+                    "order TENSORS lists them")
+    pool = torch.cat([t[kind].reshape(-1) for t in truth.values() if kind in t])
+    if bool(torch.isin(got, pool).all()):
+        return ("They are saved values from another place: is each parameter's \"offset\" its position in its own "
+                "bucket's flat buffer (bucket.offsets), each bucket's shard_numel its own, and the file's order "
+                "bucket by bucket, TENSORS in order?")
+    return ""
 
 
 def _roundtrip(name, stage, world_size, load_world_size, timeout, save_shards=None, reads=None):
