@@ -55,10 +55,10 @@ SOLUTION = notebook_code("solutions", ["save_shards", "shard_reads", "consolidat
 STUDENT = notebook_code("lessons", ["save_shards", "shard_reads", "consolidate"])  # its answers cell raises
 
 SAVE_CHECKS = {
-    "numerics": lambda fn: lesson07.check_numerics(fn, world_size=2, model="mlp"),
+    "numerics": lambda fn: lesson07.check_numerics(fn, world_size=2, load_world_size=3, model="mlp"),
     "memory": lambda fn: lesson07.check_memory(fn, world_size=2, model="wide-mlp"),
 }
-RESHARD_CHECKS = {"reshard": lambda fn: lesson07.check_reshard_map(fn, world_size=2)}
+RESHARD_CHECKS = {"reshard": lambda fn: lesson07.check_reshard_map(fn, world_size=2, load_world_size=3)}
 CONSOLIDATE_CHECKS = {
     "consolidate": lambda fn: lesson07.check_consolidate(fn, world_size=2, model="edge"),
     "memory": lambda fn: lesson07.check_consolidate_memory(fn, world_size=2),
@@ -118,7 +118,8 @@ def test_save_defects_fail_exactly_their_checks(fn, expected, capsys):
 def test_a_wrong_save_gets_the_hint_its_numbers_show_and_no_other():
     """Tensors written in the wrong order are told so; the hint about offsets and the file's layout,
     once added to every difference, is not."""
-    reason = fails(lesson07.check_numerics, MFirst, world_size=2, model="mlp", match="differ from what was saved")
+    reason = fails(lesson07.check_numerics, MFirst, world_size=2, load_world_size=3, model="mlp",
+                   match="differ from what was saved")
     assert "They are the saved v (exp_avg_sq)" in reason and "offset" not in reason, reason
 
 
