@@ -334,6 +334,20 @@ def test_the_solution_leaves_a_parameter_without_gradient_alone():
     assert run_ranks(_one_step_on_edge, 2, Solution) == [True, True]
 
 
+@pytest.mark.timeout(30)
+def test_the_traffic_pass_adds_up_in_one_unit(capsys):
+    """The ✓ once listed the flags' all-reduce by its elements and summed it by its volume (4 shown,
+    8 added: 2,544 where the terms make 2,540); every number it adds is now in one unit."""
+    import re
+
+    lesson03.check_traffic(Solution, world_size=2, model="small-mlp")
+    said = capsys.readouterr().out
+    rs, ag, both = map(int, re.search(r"reduce-scatter (\d+) \+ all-gather (\d+) = (\d+) elements", said).groups())
+    flags, twice, total = map(int, re.search(r"all-reduce of (\d+) flags .*?2 x \d+ = (\d+) elements, (\d+) in all",
+                                             said).groups())
+    assert rs + ag == both and 2 * flags == twice and both + twice == total, said
+
+
 def _two_groups(rank, world_size, cls):
     from zerokit.models import build_model
 

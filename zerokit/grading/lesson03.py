@@ -477,9 +477,13 @@ def check_traffic(cls, world_size=2, model="small-mlp", steps=2, weight_decay=0.
     _check_class(cls)
     psi, calls = run_on_ranks(_comm_case, world_size, args=(cls, model, steps, weight_decay),
                               timeout=timeout, what=cls.__name__)[0]
-    volume = sum(numel * (2 if op == "all_reduce" else 1) for op, numel in calls)
-    passed(f"per step on {world_size} ranks: {', '.join(f'{op} {numel}' for op, numel in calls)} elements = "
-           f"{volume} ≈ 2Ψ (Ψ = {psi}), no all-reduce of the gradient")
+    moved = {op: sum(numel for o, numel in calls if o == op) for op in ("reduce_scatter", "all_gather", "all_reduce")}
+    rs, ag, flags = moved["reduce_scatter"], moved["all_gather"], moved["all_reduce"]
+    # one unit throughout, elements moved in the ring model: an all-reduce of n elements moves 2n (zerokit.comm)
+    extra = (f"; besides, an all-reduce of {flags} flags (one per parameter: which got a gradient on any rank), "
+             f"2 x {flags} = {2 * flags} elements, {rs + ag + 2 * flags} in all" if flags else "")
+    passed(f"per step on {world_size} ranks: reduce-scatter {rs} + all-gather {ag} = {rs + ag} elements ≈ 2Ψ "
+           f"(Ψ = {psi}, plus the padding), no all-reduce of the gradient{extra}")
 
 
 # ---------------------------------------------------------------------------------------
