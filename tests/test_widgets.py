@@ -109,6 +109,39 @@ def test_a_traced_step_puts_each_stages_collectives_in_their_phase():
     assert json.dumps(widgets.step_timeline({"ZeRO-2": zero2, "ZeRO-3": zero3})._repr_mimebundle_()["text/plain"])
 
 
+_FAKE_TRACES = """
+def _trace(k):
+    return {"phases": [("forward", 0, 1), ("backward", 1, 3), ("step", 3, 4)], "calls": [("all_gather", 10 * k, 3.5)]}
+
+
+traces = {"your MyZeRO2Adam": _trace(1), "zerokit.ZeRO2Adam": _trace(2), "ZeRO-1": _trace(3)}
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_saved_notebook_shows_the_finished_bar_and_every_traced_step():
+    """Rendered without its kernel (nbconvert, the feedback HTML), a notebook once showed each
+    finished progress bar as "0/3" (the closed widget's first text) and only the first traced step
+    (the widget's saved state held one picture). Now the bar's output ends as text with the final
+    count, and the timeline's saved state holds a tab, with its picture, per configuration."""
+    nb = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_code_cell("from zerokit import widgets\nfor i in widgets.progress(range(3), desc='N = 2, 3, 4'):\n"
+                                  "    pass"),
+        nbformat.v4.new_code_cell("from zerokit import widgets\n" + _FAKE_TRACES + "widgets.step_timeline(traces)")])
+    NotebookClient(nb, timeout=60, kernel_name="python3").execute()
+    (bar,) = nb.cells[0].outputs
+    assert bar["data"]["text/plain"].startswith("N = 2, 3, 4: 3/3 done in"), bar
+    assert "application/vnd.jupyter.widget-view+json" not in bar["data"]
+    page, _ = HTMLExporter().from_notebook_node(nb)
+    assert "N = 2, 3, 4: 3/3 done" in page and "0/3" not in page
+    state = nb.metadata["widgets"]["application/vnd.jupyter.widget-state+json"]["state"]
+    (tabs,) = [m for m in state.values() if m["model_name"] == "TabModel"]
+    assert tabs["state"]["titles"] == ["your MyZeRO2Adam", "zerokit.ZeRO2Adam", "ZeRO-1"]
+    assert tabs["state"]["selected_index"] == 0
+    pictures = [m for m in state.values() if m["model_name"] == "ImageModel"]
+    assert len(pictures) == 3 and all(m.get("buffers") for m in pictures)
+
+
 def test_progress_is_silent_where_it_would_flood_a_log(capsys, monkeypatch):
     monkeypatch.delenv("CI", raising=False)
     assert list(widgets.progress(range(3), desc="x")) == [0, 1, 2]

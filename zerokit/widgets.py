@@ -2,7 +2,7 @@ r"""Interactive figures for the lessons, drawn from the same functions the check
 
     memory_calculator()          model-state bytes per rank: Ψ, N, stage, precision, device
     shard_map(sizes, N)          the flat buffer, its padding, and which rank owns what
-    step_timeline(traces)        one real training step: the collectives in order, by phase
+    step_timeline(traces)        one real training step per configuration: the collectives in order, by phase
     progress(iterable, desc)     a progress bar (a widget in JupyterLab, text in a terminal)
 
 The numbers are never computed here: the calculator shows `zerokit.theory_bytes`, the shard
@@ -51,22 +51,59 @@ def _psi_label(psi):
 
 
 def progress(iterable=None, desc=None, total=None):
-    """tqdm.auto over `iterable`: a widget in a notebook, text in a terminal; silent under CI
-    (CI=true) and where stderr is a log file, where a redrawn bar would only flood it."""
+    """A tqdm bar over `iterable`: a widget in a notebook, text in a terminal; silent under CI
+    (CI=true) and where stderr is a log file, where a redrawn bar would only flood it.
+
+    In a notebook the finished bar becomes a line of text, "N = 2, 4: 2/2 done in 12.3 s": a
+    saved notebook rendered without its kernel (nbconvert, the feedback HTML) shows how far it
+    got, where a closed widget left only its first state, "0/2"."""
     from tqdm.auto import tqdm
 
-    return tqdm(iterable, desc=desc, total=total, disable=not _shows_progress(), leave=False)
+    shows = _shows_progress()
+    if shows and _in_kernel():
+        return _kernel_bar()(iterable, desc=desc, total=total, leave=False)
+    return tqdm(iterable, desc=desc, total=total, disable=not shows, leave=False)
+
+
+def _in_kernel():
+    # a Jupyter kernel's stderr says it is no terminal, yet there the bar is a widget, not text
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    return shell is not None and getattr(shell, "kernel", None) is not None
 
 
 def _shows_progress():
     if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
         return False
-    # a Jupyter kernel's stderr says it is no terminal, yet there the bar is a widget, not text
-    ipython = sys.modules.get("IPython")
-    shell = ipython.get_ipython() if ipython is not None else None
-    if shell is not None and getattr(shell, "kernel", None) is not None:
-        return True
-    return sys.stderr is not None and sys.stderr.isatty()
+    return _in_kernel() or (sys.stderr is not None and sys.stderr.isatty())
+
+
+def _kernel_bar():
+    """tqdm's notebook bar, shown through a display handle so that closing it can leave text."""
+    from IPython.display import display
+    from tqdm.notebook import tqdm as notebook_tqdm
+
+    class KernelBar(notebook_tqdm):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, display=False, **kwargs)
+            self._handle = None
+            if not self.disable:
+                self._handle = display(self.container._repr_mimebundle_(), raw=True, display_id=True)
+                self.displayed = True
+
+        def close(self):
+            handle, self._handle = getattr(self, "_handle", None), None
+            if handle is None:  # disabled, or closed already (tqdm closes again when collected)
+                return super().close()
+            elapsed = self.format_dict["elapsed"]
+            total = f"/{self.total:g}" if self.total else ""
+            how = "done" if not self.total or self.n >= self.total else "stopped"
+            line = f"{self.desc + ': ' if self.desc else ''}{self.n:g}{total} {how} in {elapsed:.1f} s"
+            super().close()
+            handle.update({"text/plain": line, "text/html": f'<div class="zerokit-progress">{html.escape(line)}</div>'},
+                          raw=True)
+
+    return KernelBar
 
 
 # ---------------------------------------------------------------------------------------
@@ -268,18 +305,18 @@ def shard_map(sizes=(5, 2, 4), world_size=3, shard_range=None, names=None):
 
 
 def step_timeline(traces):
-    """One recorded step per configuration ({label: zerokit.comm.trace_step(...)}), chosen from
-    a list: which collectives each stage issues, and in which phase."""
+    """One recorded step per configuration ({label: zerokit.comm.trace_step(...)}), a tab each:
+    which collectives each stage issues, and in which phase.
+
+    Every configuration's picture is in the widget itself (the tabs switch in the page, with no
+    kernel behind them), so a saved notebook shows each of them, the first one open, as the
+    static picture (all of them, one under the other) does."""
     import ipywidgets as w
 
     labels = list(traces)
-    choice = w.Dropdown(options=labels, value=labels[0], description="step of")
-    image = _image_widget(_png(timeline_figure(traces[labels[0]], labels[0])))
-    choice.observe(lambda change: setattr(image, "value", _png(timeline_figure(traces[change["new"]], change["new"]))),
-                   names="value")
-    box = w.VBox([choice, image])
-    box.add_class("zerokit-step-timeline")
-    # the static picture shows every configuration, one under the other
-    pictures = "".join(_static(_png(timeline_figure(t, label)), html.escape(label)) for label, t in traces.items())
-    return _Shown(box, pictures)
+    pngs = [_png(timeline_figure(traces[label], label)) for label in labels]
+    tabs = w.Tab(children=[_image_widget(png) for png in pngs], titles=labels, selected_index=0)
+    tabs.add_class("zerokit-step-timeline")
+    pictures = "".join(_static(png, html.escape(label)) for png, label in zip(pngs, labels))
+    return _Shown(tabs, pictures)
 
