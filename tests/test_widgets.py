@@ -125,8 +125,8 @@ def test_a_saved_notebook_shows_the_finished_bar_and_every_traced_step():
     (the widget's saved state held one picture). Now the bar's output ends as text with the final
     count, and the timeline's saved state holds a tab, with its picture, per configuration."""
     nb = nbformat.v4.new_notebook(cells=[
-        nbformat.v4.new_code_cell("from zerokit import widgets\nfor i in widgets.progress(range(3), desc='N = 2, 3, 4'):\n"
-                                  "    pass"),
+        nbformat.v4.new_code_cell("from zerokit import widgets\n"
+                                  "for i in widgets.progress(range(3), desc='N = 2, 3, 4'):\n    pass"),
         nbformat.v4.new_code_cell("from zerokit import widgets\n" + _FAKE_TRACES + "widgets.step_timeline(traces)")])
     NotebookClient(nb, timeout=60, kernel_name="python3").execute()
     (bar,) = nb.cells[0].outputs

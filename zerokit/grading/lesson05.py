@@ -726,7 +726,8 @@ def check_gather_free(cls, world_size=2, model="mlp", timeout=60.0):
     res = run_on_ranks(_gather_free_case, world_size, args=(cls, model), what=f"{cls.__name__} on {model}",
                        timeout=timeout)
     passed(f"{cls.__name__} gathers and frees correctly on {world_size} ranks ({model}, {res[0]['buckets']} buckets): "
-           "one all-gather per gather, waited for before the views are installed, prefetches not repeated, every rank's current shard in place, the buffer's "
+           "one all-gather per gather, waited for before the views are installed, prefetches not repeated, "
+           "every rank's current shard in place, the buffer's "
            "memory released by _free (under autograd's saved views too, and for a prefetch nobody used) and "
            "refilled by the next gather; in real steps under zerokit's hooks, a unit the model skipped left no "
            "buffer allocated")

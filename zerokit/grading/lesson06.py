@@ -373,8 +373,8 @@ def _wrong_gradient(opt, named, reference, ref_params, scale, when):
             return (f"{when}: m of {n} (self.exp_avgs[{i}]) is S = {scale:g} times AdamW's: Adam was fed the "
                     "gradient still multiplied by the loss scale. Backward computed the gradient of loss·S; feed "
                     "adamw_update_ the fp32 gradients that self.scaler.unscale(...) returned (`grads` in the "
-                    "scaffold, g / S), not p.grad. (Adam's update m̂/(√v̂ + ε) notices a constant factor on the gradient "
-                    "only through ε, so the weights look almost right while m and v are off by S and S²)")
+                    "scaffold, g / S), not p.grad. (Adam's update m̂/(√v̂ + ε) notices a constant factor on the "
+                    "gradient only through ε, so the weights look almost right while m and v are off by S and S²)")
         if factor == "1/S":
             return (f"{when}: m of {n} (self.exp_avgs[{i}]) is 1/S = 1/{scale:g} of AdamW's: the gradient was "
                     "divided by the loss scale twice. The scaffold's self.scaler.unscale(...) already returns "

@@ -130,12 +130,13 @@ def visible_call(lesson, values, width=110):
 def _from_notebook(path):
     path = Path(path)
     cells = json.loads(path.read_text())["cells"]
-    test = next((c for c in cells if "questions.check" in "".join(c["source"]) and HIDDEN in "".join(c["source"])), None)
+    sources = ["".join(c["source"]) for c in cells]
+    test = next((s for s in sources if "questions.check" in s and HIDDEN in s), None)
     if test is None:
         raise SystemExit(f"{path}: no test cell calls questions.check(...) with hidden tests")
     import torch  # the hidden cells run after the notebook's imports; torch is the one they use
 
-    return visible_call(path.stem, expected_from_hidden("".join(test["source"]), {"torch": torch}))
+    return visible_call(path.stem, expected_from_hidden(test, {"torch": torch}))
 
 
 def main(argv):
