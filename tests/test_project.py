@@ -131,3 +131,40 @@ def test_no_import_circle_and_the_course_never_imports_the_machinery():
     for module in graph:
         if module not in state:
             visit(module, [module])
+
+
+def test_every_cell_no_grade_reads_is_marked_as_a_measurement():
+    """Grading skips measurement cells (zerokit.grading.autograde.execute): every ungraded code cell
+    is one, but for the setup cells the graded ones need (the imports, the launcher choice), which
+    the lean example submissions keep (tests/submissions KEEP). An unmarked new demo cell would
+    silently cost every graded notebook its run time; a marked setup cell would break grading."""
+    import json
+
+    from tests.submissions import lesson_modules
+    from zerokit.grading.autograde.execute import MEASUREMENT
+
+    for lesson, mod in lesson_modules().items():
+        nb = json.loads((ROOT / "solutions" / lesson / f"{lesson}.ipynb").read_text())
+        for i, cell in enumerate(nb["cells"]):
+            if cell["cell_type"] != "code" or "nbgrader" in cell["metadata"]:
+                continue
+            source = "".join(cell["source"])
+            setup = any(k in source for k in mod.KEEP)
+            marked = source.split("\n", 1)[0].strip() == MEASUREMENT
+            assert setup != marked, (f"{lesson} cell {i} ({source[:50]!r}): "
+                                     + ("a setup cell must not be marked" if setup else f"mark it: {MEASUREMENT}"))
+
+
+def test_grading_does_not_run_a_measurement_cell():
+    import nbformat
+
+    from zerokit.grading.autograde.execute import MEASUREMENT, GradingExecute
+
+    cell = nbformat.v4.new_code_cell(MEASUREMENT + "\nraise SystemExit('ran')")
+    out, _ = GradingExecute().preprocess_cell(cell, {}, 0)  # no kernel started: it never reaches one
+    assert [o["text"] for o in out.outputs] == ["(not run while grading: a measurement cell, which no grade reads)\n"]
+    graded = nbformat.v4.new_code_cell(MEASUREMENT + "\nx = 1", metadata={"nbgrader": {"grade": True,
+                                                                                      "grade_id": "t", "points": 1}})
+    from zerokit.grading.autograde.execute import is_measurement
+
+    assert not is_measurement(graded)  # a test cell is always run, whatever its first line says

@@ -9,7 +9,10 @@ It replaces Execute in Autograde's preprocessors (course.py):
 - the one-line reason of every failed test cell (reasons.py) goes first in its output,
   where the feedback puts it in front of the student;
 - the kernel (kernel.py) runs in safe-path mode in a scratch copy of the notebook's folder,
-  behind bubblewrap (sandbox.py) unless `sandbox` is turned off on purpose (--no-sandbox).
+  behind bubblewrap (sandbox.py) unless `sandbox` is turned off on purpose (--no-sandbox);
+- a measurement cell (its first line is MEASUREMENT) is not run: no grade reads what it
+  computes (the lessons' measured tables, figures and try-it runs), and about half of a
+  whole notebook's grading time went to such cells. A student sees which cells they are.
 """
 
 from __future__ import annotations
@@ -32,6 +35,15 @@ from ..lessons import SOLUTIONS
 from . import sandbox as walls
 from .kernel import GradingKernelManager
 from .reasons import failure_reason, note
+
+
+MEASUREMENT = "# measurement: not run while grading"
+
+
+def is_measurement(cell):
+    """A code cell that only measures or shows (its first line says so): grading skips it."""
+    return cell.cell_type == "code" and not utils.is_grade(cell) and \
+        cell.source.lstrip().split("\n", 1)[0].strip() == MEASUREMENT
 
 
 def _error_output(ename, evalue):
@@ -129,6 +141,10 @@ class GradingExecute(Execute):
 
     def preprocess_cell(self, cell, resources, index):
         if cell.cell_type != "code" or not cell.source.strip():
+            return cell, resources
+        if is_measurement(cell):
+            cell.outputs = [new_output("stream", name="stdout",
+                                       text="(not run while grading: a measurement cell, which no grade reads)\n")]
             return cell, resources
         if self._dead:
             cell.outputs = [_error_output("NotRun", f"not run: {self._dead}")]
