@@ -38,27 +38,20 @@ import torch.distributed as dist
 from torch import nn
 
 from .ddp import broadcast_parameters
-from .flat import FlatBucket
+from .flat import make_buckets
 from .zero1 import weak_hook
 
 __all__ = ["DataParallel", "plan_buckets"]
 
 
 def plan_buckets(params, bucket_numel):
-    """Buckets of at most bucket_numel elements, filled from the last parameter to the first
-    (the order backward tends to produce them in); one dtype and device per bucket, since a
-    bucket travels as one flat tensor. A parameter larger than bucket_numel goes alone."""
-    buckets, current, size = [], [], 0
-    for p in reversed(list(params)):
-        if current and (size + p.numel() > bucket_numel
-                        or (p.dtype, p.device) != (current[0].dtype, current[0].device)):
-            buckets.append(FlatBucket(current, 1, 0))  # one "shard": an all-reduce keeps everything
-            current, size = [], 0
-        current.append(p)
-        size += p.numel()
-    if current:
-        buckets.append(FlatBucket(current, 1, 0))
-    return buckets
+    """Lesson 04's buckets (zerokit.flat.make_buckets: filled from the last parameter backwards,
+    the order backward tends to produce them in), one dtype and device per bucket, since a
+    bucket travels as one flat tensor; world size 1: an all-reduce keeps everything."""
+    groups = {}
+    for p in params:
+        groups.setdefault((p.dtype, p.device), []).append(p)
+    return [b for ps in groups.values() for b in make_buckets(ps, 1, 0, bucket_numel)]
 
 
 class DataParallel(nn.Module):

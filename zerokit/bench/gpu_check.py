@@ -24,6 +24,7 @@ CUDA counters read "n/a"), so the rows' own logic is tested between GPU runs.
 import argparse
 import ast
 import contextlib
+import functools
 import gc
 import io
 import json
@@ -395,29 +396,17 @@ def bench(target, out_dir):
     return rows
 
 
-def _all_reduce(tensor):
-    """Lesson 00's exercise, done right: every buffer on the input's device."""
+def _all_reduce(tensor, on_input_device=True):
+    """Lesson 00's exercise: every buffer on the input's device; on_input_device=False is the slip the
+    lessons warn about, buffers made without device= (they land on the CPU)."""
     from zerokit.comm import all_gather, reduce_scatter
 
+    device = tensor.device if on_input_device else torch.device("cpu")
     n, numel = dist.get_world_size(), tensor.numel()
     chunk = -(-numel // n)
-    padded = torch.zeros(chunk * n, dtype=tensor.dtype, device=tensor.device)
+    padded = torch.zeros(chunk * n, dtype=tensor.dtype, device=device)
     padded[:numel] = tensor.reshape(-1)
-    mine = torch.empty(chunk, dtype=tensor.dtype, device=tensor.device)
-    reduce_scatter(mine, padded)
-    all_gather(padded, mine)
-    return padded[:numel].view_as(tensor).clone()
-
-
-def _all_reduce_on_cpu(tensor):
-    """The classic slip the lessons warn about: buffers made without device= land on the CPU."""
-    from zerokit.comm import all_gather, reduce_scatter
-
-    n, numel = dist.get_world_size(), tensor.numel()
-    chunk = -(-numel // n)
-    padded = torch.zeros(chunk * n, dtype=tensor.dtype)
-    padded[:numel] = tensor.reshape(-1)
-    mine = torch.empty(chunk, dtype=tensor.dtype)
+    mine = torch.empty(chunk, dtype=tensor.dtype, device=device)
     reduce_scatter(mine, padded)
     all_gather(padded, mine)
     return padded[:numel].view_as(tensor).clone()
@@ -437,7 +426,7 @@ def lesson_checks(target):
             lesson00.check_numerics(_all_reduce)
             lesson00.check_traffic(_all_reduce)
             try:
-                lesson00.check_numerics(_all_reduce_on_cpu)
+                lesson00.check_numerics(functools.partial(_all_reduce, on_input_device=False))
                 slip = "passed"
             except CheckFailed as exc:
                 slip = "failed: " + str(exc).splitlines()[0]

@@ -68,14 +68,14 @@ ZERO_REDUNDANCY_OPTIONS = {"parameters_as_bucket_view": True}
 def build(config, model_cfg, device, seed):
     """A fresh (model, optimizer) for `config`; every rank starts from the same weights."""
     model = make_model(model_cfg, device, seed)
+    # FSDP2's granularity (see above): buckets of one block, units one per block
+    block_mib = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters()) / 2**20
     if config.system == "zerokit":
-        # FSDP2's granularity (see above): buckets of one block, units one per block
-        block_mib = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters()) / 2**20
         return model, make_optimizer(config.stage, model, bucket_mb=block_mib, units=list(model.blocks), **HYPER)
     if config.system == "torch":
         return _torch_peer(config.stage, model, device)
     if config.system == "wrapper":
-        return _wrapper(config.stage, model)
+        return _wrapper(config.stage, model, block_mib)
     raise ValueError(f"unknown system {config.system!r} in configuration {config.name!r}")
 
 
@@ -100,11 +100,10 @@ def _torch_peer(stage, model, device):
     raise ValueError(f"unknown stage {stage!r}")
 
 
-def _wrapper(stage, model):
+def _wrapper(stage, model, block_mib):
     """zerokit in PyTorch's shape, with torch's own AdamW, at the same granularity as above."""
     import zerokit
 
-    block_mib = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters()) / 2**20
     if stage == "ddp":
         model = zerokit.DataParallel(model, bucket_mb=block_mib)
         return model, torch.optim.AdamW(model.parameters(), **HYPER)
