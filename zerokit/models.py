@@ -18,6 +18,10 @@ it: `build_model(name, seed)`, `model_batch(name, size, seed)`, `model_loss(name
                                                                  steps (lesson 05: a unit skipped) leave out
     nested       NestedNet                               6478    nested units for ZeRO-3
     transformer  TinyTransformer (vocab 101, width 22)   16742   attention, embeddings, norms
+    sparse-embed SparseEmbedNet                          833     embedding rows no batch looks up: a whole
+                                                                 shard's gradient is zeros, not None
+    awkward      AwkwardUnitsNet                         991     units returning a tuple and a dict; a
+                                                                 tied embedding the root unit owns
 """
 
 from dataclasses import dataclass, field
@@ -28,7 +32,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-__all__ = ["OddMLP", "EdgeCaseNet", "TinyTransformer", "BranchNet", "NestedNet", "make_batch", "loss_for",
+__all__ = ["OddMLP", "EdgeCaseNet", "TinyTransformer", "BranchNet", "NestedNet", "SparseEmbedNet",
+           "AwkwardUnitsNet", "make_batch", "loss_for",
            "num_parameters", "MODELS", "Recipe", "build_model", "model_batch", "model_loss"]
 
 
@@ -128,12 +133,16 @@ def make_batch(kind, batch_size, seed, **kw):
         x = torch.randn(batch_size, n_in, generator=g)
         return x, torch.randn(batch_size, n_out, generator=g)
     if kind == "edge":
-        ids = torch.randint(0, 11, (batch_size, 5), generator=g)
-        return ids, torch.randint(0, 11, (batch_size, 5), generator=g)
+        vocab = kw.get("vocab", 11)
+        ids = torch.randint(0, vocab, (batch_size, 5), generator=g)
+        return ids, torch.randint(0, vocab, (batch_size, 5), generator=g)
     if kind == "transformer":
         vocab, seq_len = kw.get("vocab", 2003), kw.get("seq_len", 64)
         ids = torch.randint(0, vocab, (batch_size, seq_len + 1), generator=g)
         return ids[:, :-1], ids[:, 1:]
+    if kind == "sparse":  # ids only below `used` of a larger vocabulary: the other rows never get a gradient
+        ids = torch.randint(0, kw.get("used", 6), (batch_size, 5), generator=g)
+        return ids, torch.randint(0, kw.get("n_out", 5), (batch_size,), generator=g)
     raise ValueError(f"unknown batch kind {kind!r}")
 
 
@@ -188,6 +197,74 @@ class Residual(nn.Module):
         return x + self.mlp(self.norm(x))
 
 
+class SparseEmbedNet(nn.Module):
+    """An embedding of 64 rows of which the batches look up only the first 6 (as a large
+    vocabulary's rare tokens): the other rows' gradient is exactly zero on every rank, a
+    tensor of zeros, not None. The embedding comes first in parameter order and fills most
+    of the model, so for N = 2, 3 and 4 some rank's whole segment of it is zero.
+
+    Input: ids (batch, 5) in [0, 6); output: logits (batch, 5 classes)."""
+
+    def __init__(self, vocab=64, dim=12, n_out=5):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.head = nn.Linear(dim, n_out)
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.embed(ids).mean(dim=1)))
+
+
+class _TupleOut(nn.Module):
+    """Returns (output, attention weights), as nn.MultiheadAttention does."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.qk = nn.Linear(dim, 2 * dim, bias=False)
+
+    def forward(self, x):
+        q, k = self.qk(x).chunk(2, dim=-1)
+        weights = torch.softmax(q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5, dim=-1)
+        return weights @ x, weights
+
+
+class _DictOut(nn.Module):
+    """Returns {"hidden": ..., "gate": ...}, as many library blocks return a dict or dataclass."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+        self.gate = nn.Linear(dim, 1)
+
+    def forward(self, x):
+        return {"hidden": torch.tanh(self.fc(x)), "gate": torch.sigmoid(self.gate(x))}
+
+
+class AwkwardUnitsNet(nn.Module):
+    """Units whose outputs are not one tensor, and a root unit that owns parameters.
+
+    The embedding and the head share one weight (a language model's tied embedding), so
+    under ZeRO-3 the root unit owns it: it must be gathered from the start of forward to
+    the end of backward, and be freed at rest (after an eval forward under no_grad too).
+    `attn` returns a tuple, `mix` a dict: a hook that expects one tensor breaks on either.
+
+    Input: ids (batch, 5) in [0, 17); output: logits (batch, 5, 17)."""
+
+    def __init__(self, vocab=17, dim=15):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.attn = _TupleOut(dim)
+        self.mix = _DictOut(dim)
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        y, _ = self.attn(x)
+        out = self.mix(x + y)
+        return self.head(self.norm(x + out["hidden"] * out["gate"]))
+
+
 # ---------------------------------------------------------------------------------------
 # the zoo
 
@@ -216,6 +293,8 @@ MODELS = {
     "nested": Recipe(NestedNet, "mlp", {"n_in": 13, "n_out": 7}, first_seed=5_000),
     "transformer": Recipe(partial(TinyTransformer, vocab=101, dim=22, n_layers=2, n_heads=2, seq_len=9),
                           "transformer", {"vocab": 101, "seq_len": 9}),
+    "sparse-embed": Recipe(SparseEmbedNet, "sparse"),
+    "awkward": Recipe(AwkwardUnitsNet, "edge", {"vocab": 17}),
 }
 
 
