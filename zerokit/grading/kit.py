@@ -12,7 +12,10 @@
 - small readers every check needs: `trainable`, `snapshot`, `gather_object`, `bucket_label`,
   `state_shard`, `assert_changed`;
 - asynchrony made visible: `LazyWork` and `lazy_transfers` stand in for a slow transfer, whose
-  data arrives only when its work is waited for.
+  data arrives only when its work is waited for;
+- the fixture matrix: `SITUATIONS`, the situations student code meets in real training. Each
+  lesson's module declares, in its own `SITUATIONS` table, which of its checks meets each one
+  in the hidden tests, or why none applies (tests/test_situations.py holds it to that).
 
 Models come from the zoo in zerokit.models (`build_model`, `model_batch`, `model_loss`).
 """
@@ -31,9 +34,32 @@ from ..reference import rank_slice
 from .compare import assert_close
 from .harness import CheckFailed, run_on_ranks
 
-__all__ = ["check_class", "refusing", "adamw_reference", "global_batch", "rank_batch", "batch_backward", "trainable", "psi_of",
+__all__ = ["SITUATIONS", "check_class", "refusing", "adamw_reference", "global_batch", "rank_batch", "batch_backward", "trainable", "psi_of",
            "snapshot", "gather_object", "bucket_label", "state_shard", "assert_changed", "optimizer_held_bytes", "assert_adam_shards", "alias", "renamed_args",
            "try_stretch", "LazyWork", "lazy_transfers"]
+
+
+# ---------------------------------------------------------------------------------------
+# the fixture matrix: one name per situation; a lesson's table maps each name to
+# "check_name" or "check_name: model-or-setting" (a check whose hidden tests meet it), or to
+# "n/a: why" where the lesson's code cannot meet it
+
+SITUATIONS = {
+    "zero-grad-shard": "a whole shard whose gradient is zeros, not None (model sparse-embed)",
+    "frozen": "frozen parameters (model edge)",
+    "tied": "a parameter used twice (models edge, awkward)",
+    "unused": "a parameter no rank has a gradient for (models edge, branch)",
+    "tuple-output": "a unit returning a tuple or a dict (model awkward)",
+    "root-params": "a root unit that owns parameters: a tied embedding (model awkward)",
+    "eval-no-grad": "an eval forward under torch.no_grad, then the state at rest checked",
+    "subgroup": "a process subgroup instead of the default group",
+    "n3": "N = 3, with sizes not divisible by N",
+    "sits-out": "a layer that sits out a step: per-parameter step counts differ (model branch)",
+    "fp16-scale": "fp16 at a loss scale other than 1",
+    "zero3": "ZeRO-3 as well as ZeRO-1 and 2, where the lesson's code touches the stages",
+    "peak-memory": "peak memory, not only bytes held or written, where the lesson states a memory rule",
+    "out-of-order": "gradients arriving out of bucket order",
+}
 
 
 # ---------------------------------------------------------------------------------------
