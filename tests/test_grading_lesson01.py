@@ -223,6 +223,8 @@ def test_hidden_configurations_catch_the_same_bugs():
     fails(lesson01.check_contract, broken("lr_from_init"), model="transformer", lr=3e-3, betas=(0.8, 0.95),
           scenarios=("groups", "scheduler", "state_dict"), match="two param groups")
     fails(lesson01.check_zero_grad, broken("zero_grad_by_multiplying"), model="transformer", match="NaN × 0")
+    fails(lesson01.check_contract, broken("step_per_group"), model="transformer", lr=3e-3, betas=(0.8, 0.95),
+          scenarios=("groups", "scheduler", "state_dict", "sometimes"), match="count steps per parameter")
 
 
 # ---------------------------------------------------------------------------------------
