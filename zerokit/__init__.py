@@ -37,6 +37,7 @@ from .zero2 import ZeRO2Adam
 from .zero3 import ZeRO3Adam
 from .elementwise import ZeRO1, ZeRO2
 from .fully_shard import FullyShard
+from .muon import ZeRO1Muon
 from . import checkpoint  # lesson 07: zerokit.checkpoint.save / load / consolidate
 
 __version__ = "0.1.0"
@@ -46,5 +47,5 @@ __all__ = [
     "DataParallel", "FullyShard",
     "launch", "rank_device", "LaunchError", "LaunchTimeout",
     "CommCounter", "theory_volume", "MemoryProbe", "census", "theory_bytes", "MixedPrecision",
-    "SavedActivations", "checkpoint_modules", "Offload", "ZeRO1", "ZeRO2",
+    "SavedActivations", "checkpoint_modules", "Offload", "ZeRO1", "ZeRO2", "ZeRO1Muon",
 ]

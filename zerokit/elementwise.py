@@ -37,8 +37,8 @@ __all__ = ["ZeRO1", "ZeRO2", "LocalOptimizerState", "SegmentShard", "check_eleme
 # Whole-tensor optimizers, by class name (so a torch without one still imports this module).
 NOT_ELEMENTWISE = {
     "LBFGS": "its line search evaluates the loss along one direction over every parameter at once",
-    "Muon": "it orthogonalises each weight matrix's whole update (Newton-Schulz): a slice is not the matrix "
-            "(lesson 09 shards it by giving each rank whole matrices)",
+    "Muon": "it orthogonalises each weight matrix's whole update (Newton-Schulz): a slice is not the matrix; "
+            "zerokit.ZeRO1Muon shards it by giving each rank whole matrices (lesson 09)",
     "Adafactor": "it factors the second moment into row and column sums of each whole matrix",
     "SparseAdam": "it updates only the rows a sparse gradient names, which a flat shard does not keep",
 }
