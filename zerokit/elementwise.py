@@ -192,12 +192,15 @@ class SegmentShard:
 class ZeRO1(_BringYourOwn, ZeRO1Adam):
     """ZeRO stage 1 with any elementwise torch optimizer: ZeroRedundancyOptimizer's shape.
 
-    ZeRO1(params, optimizer_class, group=None, precision=None, **defaults): the optimizer
-    state of this rank's shard only (1/N); full gradients until step(), which reduce-scatters
-    them, steps the shard with `optimizer_class(**defaults)` and all-gathers the weights.
+    ZeRO1(params, optimizer_class, group=None, precision=None, bucket_mb=None, **defaults): the
+    optimizer state of this rank's shard only (1/N); full gradients until step(), which steps
+    the shard with `optimizer_class(**defaults)` and all-gathers the weights. The mean gradient
+    is reduce-scattered in step() (bucket_mb=None), or per bucket of bucket_mb MiB as soon as
+    backward completes it, overlapping the rest of backward (zerokit.ZeRO1Adam's bucket_mb).
     """
 
-    def __init__(self, params, optimizer_class, *, group=None, precision=None, **defaults):
+    def __init__(self, params, optimizer_class, *, group=None, precision=None, bucket_mb=None, **defaults):
+        self.bucket_mb = bucket_mb
         super().__init__(params, optimizer_class, group=group, precision=precision, **defaults)
 
 

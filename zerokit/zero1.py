@@ -31,7 +31,7 @@ import torch.distributed as dist
 from .adam import adamw_update_, check_hyperparameters
 from .comm import all_gather, reduce_scatter
 from .ddp import broadcast_parameters
-from .flat import FlatBucket
+from .flat import FlatBucket, make_buckets
 from .mixed_precision import precision_state
 from .offload import offload_place
 
@@ -149,11 +149,16 @@ class ZeRO1Adam(torch.optim.Optimizer):
     # ZeRO-1 reduces them in step(), and until then lets autograd write them into one flat
     # buffer per bucket (_hook_gradients); a stage that reduces in backward needs no such buffer.
     reduces_in_backward = False
+    # None: one bucket per param group, reduce-scattered in step() (lesson 03's shape). Beyond the
+    # exercise: buckets of bucket_mb MiB, each reduce-scattered as soon as backward completes it,
+    # so the transfer overlaps the rest of backward as DDP's all-reduce does (see _send_early).
+    bucket_mb = None
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, group=None,
-                 precision=None, offload=None):
+                 precision=None, offload=None, bucket_mb=None):
         check_hyperparameters(lr, betas, eps, weight_decay)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        self.bucket_mb = bucket_mb
         self._shard(group, precision, offload)
 
     def _shard(self, group, precision, offload):
@@ -170,6 +175,7 @@ class ZeRO1Adam(torch.optim.Optimizer):
         # lesson 08: where the optimizer state lives (InMemory: beside the parameters, no offload)
         self.offload = offload_place(offload, first.device if first is not None else "cpu")
         self.buckets, self.bucket_group, self.shards, self.flat_params, self._grad_buffers = [], [], [], [], []
+        self._early = []  # beyond the exercise (bucket_mb): per bucket, (work, shard) sent during backward
         self._grad_cache = None  # this step's reduced gradient shards, once reduced (see _reduced_gradients)
         self._shard_groups(0)
 
@@ -194,6 +200,8 @@ class ZeRO1Adam(torch.optim.Optimizer):
         for i in new:
             self.flat_params.append(self._install_flat_params(i))
             self._grad_buffers.append(None)  # flat gradients of this step, per bucket
+            self._early.append(None)
+        self._begin_window()
         if not self.reduces_in_backward:
             self._hook_gradients(new)
         return new
@@ -203,7 +211,12 @@ class ZeRO1Adam(torch.optim.Optimizer):
         return ShardedAdamState(bucket, place=self.offload)
 
     def _make_buckets(self, params):
-        return [FlatBucket(params, self.world_size, self.rank)] if params else []
+        if self.bucket_mb is None:
+            return [FlatBucket(params, self.world_size, self.rank)] if params else []
+        # beyond the exercise (lesson 06): sized in the dtype the gradients will have, 16 bits
+        # under mixed precision, while the parameters are still fp32 here
+        dtype = self.precision.param_dtype or params[0].dtype
+        return make_buckets(params, self.world_size, self.rank, int(self.bucket_mb * 2**20) // dtype.itemsize)
 
     @torch.no_grad()
     def _install_flat_params(self, i):
@@ -245,13 +258,78 @@ class ZeRO1Adam(torch.optim.Optimizer):
         if param.grad.data_ptr() != view.data_ptr():  # a new gradient, not one accumulated in place
             view.copy_(param.grad)
             param.grad = view  # the original is freed now
+        if self.bucket_mb is not None:  # beyond the exercise: send each bucket once backward completes it
+            self._arrived(bi)
 
-    def _flat_grad(self, i):
+    # ---- beyond the exercise (bucket_mb): the reduce-scatter overlaps backward ---------------
+    # As DDP's all-reduce: a bucket whose every gradient has arrived is reduce-scattered at once,
+    # asynchronously, while backward computes the rest; step() waits for it. Buckets go out in
+    # order (0, 1, ...), so every rank issues the same collectives in the same order, and step()
+    # first sends what backward did not (a parameter without a gradient on this rank holds its
+    # bucket back). The full gradients stay (ZeRO-1 keeps them until the step); the cost is the
+    # reduced shards, 1/N of the gradients, held from backward on instead of made in step().
+    # A gradient that arrives after its bucket went out (a second backward: accumulation) makes
+    # that transfer stale; step() then reduces the bucket again from the accumulated buffer.
+
+    def _begin_window(self):
+        self._arrivals = [0] * len(self.buckets)  # gradients arrived per bucket since the last step
+        self._next_send = 0  # buckets go out in order
+        self._stale = [False] * len(self.buckets)
+
+    def _arrived(self, bi):
+        if self._early[bi] is not None:
+            self._stale[bi] = True
+            return
+        self._arrivals[bi] += 1
+        while self._next_send < len(self.buckets) and \
+                self._arrivals[self._next_send] == len(self.buckets[self._next_send].params):
+            self._send_early(self._next_send)
+
+    def _send_early(self, i):
+        flat = self._flat_grad(i, keep=True)
+        shard = torch.empty_like(self.buckets[i].shard(flat))
+        self._early[i] = (reduce_scatter(shard, flat, op=dist.ReduceOp.AVG, group=self.group, async_op=True), shard)
+        self._next_send = i + 1
+
+    def _early_shards(self):
+        """Every bucket's reduced shard when backward sent them; None for a bucket to reduce again."""
+        while self._next_send < len(self.buckets):  # what backward could not send, in order
+            self._send_early(self._next_send)
+        for i, bucket in enumerate(self.buckets):  # .grad set by hand after its bucket went out
+            views = bucket.views(self._grad_buffers[i])
+            if any(p.grad is not None and p.grad.data_ptr() != v.data_ptr() for p, v in zip(bucket.params, views)):
+                self._stale[i] = True
+        stale = torch.tensor(self._stale, dtype=torch.uint8, device=self.buckets[0].params[0].device)
+        dist.all_reduce(stale, op=dist.ReduceOp.MAX, group=self.group)  # every rank must agree on a resend
+        shards = []
+        for i, again in enumerate(stale.tolist()):
+            (work, shard), self._early[i] = self._early[i], None
+            work.wait()
+            shards.append(self._grad_shard(i) if again else shard)
+            self._grad_buffers[i] = None  # the next backward starts a new buffer; .grad keeps this one
+        self._begin_window()
+        return shards
+
+    def _drop_early(self):
+        for i, sent in enumerate(self._early):
+            if sent is not None:
+                sent[0].wait()  # issued on every rank: finish it before its buffers go
+                self._early[i] = None
+        self._begin_window()
+
+    def _flat_grad(self, i, keep=False):
         """Bucket i's gradients in one flat buffer: the views' buffer, completed, or a new copy."""
         bucket, flat = self.buckets[i], self._grad_buffers[i]
-        self._grad_buffers[i] = None  # the next backward starts a new buffer; .grad keeps this one
+        if not keep:
+            self._grad_buffers[i] = None  # the next backward starts a new buffer; .grad keeps this one
         if flat is None:
-            return bucket.flatten([p.grad for p in bucket.params], dtype=self.reduce_dtype)
+            flat = bucket.flatten([p.grad for p in bucket.params], dtype=self.reduce_dtype)
+            if keep:
+                self._grad_buffers[i] = flat
+                for p, view in zip(bucket.params, bucket.views(flat)):
+                    if p.grad is not None:
+                        p.grad = view
+            return flat
         for p, view in zip(bucket.params, bucket.views(flat)):
             if p.grad is None:
                 view.zero_()  # no gradient on this rank counts as zero
@@ -278,8 +356,8 @@ class ZeRO1Adam(torch.optim.Optimizer):
                 loss = closure()
         if not self.buckets:
             return loss
+        grad_shards = self._reduced_gradients()  # before the flags: backward may have sent some already
         present = self._presence(self._local_presence())
-        grad_shards = self._reduced_gradients()
         if not self.precision.should_step():  # lesson 06: inf/nan on some rank, so all ranks skip
             self._grad_cache = None
             return loss
@@ -293,7 +371,10 @@ class ZeRO1Adam(torch.optim.Optimizer):
     def _reduced_gradients(self):
         """This rank's shard of the mean gradient, per bucket (reduced once per step)."""
         if self._grad_cache is None:
-            shards = [self._grad_shard(i) for i in range(len(self.buckets))]
+            if self.bucket_mb is not None and not self.reduces_in_backward:
+                shards = self._early_shards()
+            else:
+                shards = [self._grad_shard(i) for i in range(len(self.buckets))]
             # lesson 06: in fp32, divided by the loss scale, checked for inf on all ranks (fp32: as they are)
             self._grad_cache = self.precision.fp32_gradients(shards)
         return self._grad_cache
@@ -354,6 +435,8 @@ class ZeRO1Adam(torch.optim.Optimizer):
         super().zero_grad(set_to_none=set_to_none)
         self._grad_cache = None  # a clipped-but-not-stepped gradient must not reach the next step
         self._grad_buffers = [None] * len(self.buckets)
+        if not self.reduces_in_backward:
+            self._drop_early()  # gradients dropped without a step: so are their transfers
 
     def memory_categories(self):
         """The tensors this optimizer holds, by category, for zerokit.memory.census.

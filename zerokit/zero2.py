@@ -38,7 +38,6 @@ import torch
 import torch.distributed as dist
 
 from .comm import reduce_scatter
-from .flat import make_buckets
 from .zero1 import ZeRO1Adam, weak_hook
 
 __all__ = ["ZeRO2Adam", "weak_hook"]
@@ -65,9 +64,8 @@ class ZeRO2Adam(ZeRO1Adam):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  bucket_mb=25.0, group=None, precision=None, offload=None):
-        self.bucket_mb = bucket_mb  # read by _make_buckets, which ZeRO1Adam.__init__ calls
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, group=group,
-                         precision=precision, offload=offload)
+                         precision=precision, offload=offload, bucket_mb=bucket_mb)
 
     def _shard(self, group, precision, offload):
         self.grad_shards = []  # this rank's shard of the mean gradient, per bucket
@@ -89,12 +87,6 @@ class ZeRO2Adam(ZeRO1Adam):
                 p.register_post_accumulate_grad_hook(weak_hook(self._on_grad_ready))
         self._begin_backward()
         return new
-
-    def _make_buckets(self, params):
-        # beyond the exercise (lesson 06): sized in the dtype the gradients will have, 16 bits
-        # under mixed precision, while the parameters are still fp32 here
-        dtype = self.precision.param_dtype or params[0].dtype
-        return make_buckets(params, self.world_size, self.rank, int(self.bucket_mb * 2**20) // dtype.itemsize)
 
     def _begin_backward(self):
         self._ready = [0] * len(self.buckets)  # parameters of each bucket whose gradient has arrived

@@ -4,21 +4,23 @@ zerokit in PyTorch's shape (a module wrapper or the optimizer a user brings, wit
 | stage | PyTorch peer | zerokit |
 |---|---|---|
 | ddp   | `DistributedDataParallel` + `torch.optim.AdamW`           | `DistributedAdam` |
-| zero1 | DDP + `torch.distributed.optim.ZeroRedundancyOptimizer`   | `ZeRO1Adam` |
+| zero1 | DDP + `torch.distributed.optim.ZeroRedundancyOptimizer`   | `ZeRO1Adam(bucket_mb=one block)` |
 | zero2 | FSDP2 `fully_shard(reshard_after_forward=False)` + AdamW  | `ZeRO2Adam(bucket_mb=one block)` |
 | zero3 | FSDP2 `fully_shard` (blocks reshard after forward) + AdamW | `ZeRO3Adam(units=blocks)` |
 
 | stage | zerokit in PyTorch's shape |
 |---|---|
 | ddp   | `zerokit.DataParallel(model)` + `torch.optim.AdamW` |
-| zero1 | `zerokit.ZeRO1(params, torch.optim.AdamW)` |
+| zero1 | `zerokit.ZeRO1(params, torch.optim.AdamW, bucket_mb=one block)` |
 | zero2 | `zerokit.ZeRO2(params, torch.optim.AdamW, bucket_mb=one block)` |
 | zero3 | `zerokit.FullyShard(model, units=blocks)` + `torch.optim.AdamW` |
 
 FSDP2 wraps each transformer block, then the root (embeddings, final norm, head); zerokit
 gets the same granularity: ZeRO-3 units are the blocks (the root unit keeps the rest), and
-ZeRO-2's gradient buckets are one block in size (its 25 MiB default would make one bucket
-of the whole small model, sent only after backward).
+ZeRO-1's and ZeRO-2's gradient buckets are one block in size, each reduce-scattered as soon
+as backward completes it, as DDP's buckets are all-reduced (ZeRO2Adam's 25 MiB default would
+make one bucket of the whole small model, ZeRO1Adam's default one bucket reduced in step():
+both sent only after backward).
 """
 
 from dataclasses import dataclass
@@ -108,7 +110,7 @@ def _wrapper(stage, model, block_mib):
         model = zerokit.DataParallel(model, bucket_mb=block_mib)
         return model, torch.optim.AdamW(model.parameters(), **HYPER)
     if stage == "zero1":
-        return model, zerokit.ZeRO1(model.parameters(), torch.optim.AdamW, **HYPER)
+        return model, zerokit.ZeRO1(model.parameters(), torch.optim.AdamW, bucket_mb=block_mib, **HYPER)
     if stage == "zero2":
         return model, zerokit.ZeRO2(model.parameters(), torch.optim.AdamW, bucket_mb=block_mib, **HYPER)
     if stage == "zero3":
