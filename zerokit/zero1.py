@@ -158,7 +158,8 @@ class ZeRO1Adam(torch.optim.Optimizer):
                  precision=None, offload=None, bucket_mb=None):
         check_hyperparameters(lr, betas, eps, weight_decay)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
-        self.bucket_mb = bucket_mb
+        if bucket_mb is not None:  # else the class's, or what a subclass set before calling this
+            self.bucket_mb = bucket_mb
         self._shard(group, precision, offload)
 
     def _shard(self, group, precision, offload):
