@@ -161,6 +161,35 @@ class KeepsUnusedPrefetch(Sharded):
             self._full[bi] = None
 
 
+class GatherWithoutGroup(Sharded):
+    """The all-gather issued without group=: it runs on the default group, right only while
+    the optimizer's group is every rank (on a subgroup: other ranks' shards, or a crash)."""
+
+    def _start_gather(self, bi):
+        if self._full[bi] is not None or bi in self._gathering:
+            return
+        shard = self.flat_params[bi]
+        full = self._gather_buffer(bi, shard)
+        work = all_gather(full, shard, async_op=True)  # BUG: no group=self.group
+        self._gathering[bi] = (work, full, shard)
+
+
+class FreesInFlightWithoutWait(Sharded):
+    """_free releases the buffer of a prefetch nobody used without waiting for its all-gather,
+    which may still be writing into that memory (hint 2's pitfall)."""
+
+    @torch.no_grad()
+    def _free(self, bi):
+        if bi in self._gathering:
+            _work, full, _shard = self._gathering.pop(bi)  # BUG: no work.wait() before releasing
+            full.untyped_storage().resize_(0)
+        if self._full[bi] is not None:
+            for p in self.buckets[bi].params:
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            self._full[bi].untyped_storage().resize_(0)
+            self._full[bi] = None
+
+
 class StashesFullCopy(Sharded):
     """_free keeps a copy of the gathered weights "for later": the parameters look sharded,
     a full copy lives on."""
@@ -219,6 +248,50 @@ class KeepsCopies(Solution):
             self._copies = {}
         self._copies[u] = [p.detach().clone() for bi in self._buckets_of_unit[u] for p in self.buckets[bi].params]
         super()._post_forward(u, module, args, output)
+
+
+class RootKeptAfterEval(Solution):
+    """Keeps the root gathered after its forward even under torch.no_grad(): no backward
+    follows an evaluation, so the root (an LLM's tied embedding) stays full at rest."""
+
+    def _post_forward(self, u, module, args, output):
+        if torch.is_grad_enabled():
+            tensors = [t for t in torch.utils._pytree.tree_flatten(output)[0]
+                       if isinstance(t, torch.Tensor) and t.requires_grad]
+            if tensors:
+                torch.autograd.graph.register_multi_grad_hook(tensors, lambda grad, u=u: self._pre_backward(u, grad),
+                                                              mode="any")
+        if u != 0:  # BUG: the root is kept for a backward even when none will come
+            for bi in self._buckets_of_unit[u]:
+                self._free(bi)
+
+
+class OneTensorOutput(Solution):
+    """Hooks the unit's output as if it were one tensor: a unit returning a tuple (as
+    nn.MultiheadAttention does) or a dict breaks the forward hook."""
+
+    def _post_forward(self, u, module, args, output):
+        backward_coming = torch.is_grad_enabled()
+        if backward_coming and output.requires_grad:  # BUG: output may be a tuple or a dict
+            output.register_hook(lambda grad, u=u: self._pre_backward(u, grad))
+        if u != 0 or not backward_coming:
+            for bi in self._buckets_of_unit[u]:
+                self._free(bi)
+
+
+class FreesRootAfterForward(Solution):
+    """Frees every unit after its forward, the root too: its backward gathers it again, one
+    extra all-gather of the root (an LLM's tied embedding) every step."""
+
+    def _post_forward(self, u, module, args, output):
+        if torch.is_grad_enabled():
+            tensors = [t for t in torch.utils._pytree.tree_flatten(output)[0]
+                       if isinstance(t, torch.Tensor) and t.requires_grad]
+            if tensors:
+                torch.autograd.graph.register_multi_grad_hook(tensors, lambda grad, u=u: self._pre_backward(u, grad),
+                                                              mode="any")
+        for bi in self._buckets_of_unit[u]:  # BUG: the root too
+            self._free(bi)
 
 
 class AllReduceGradients(Solution):
@@ -310,6 +383,8 @@ MECHANICS_BUGS = {
     FreshBuffer: {"gather_free": "Gather into the same buffer every time"},
     StashesFullCopy: {"gather_free": "something keeps a copy of the gathered weights"},
     KeepsUnusedPrefetch: {"gather_free": "a prefetch nobody used"},
+    GatherWithoutGroup: {"gather_free": "issued without group=self.group"},
+    FreesInFlightWithoutWait: {"gather_free": "without waiting for the transfer"},
 }
 HOOK_BUGS = {
     NeverFrees: {"memory": "free each unit's parameters in its forward post-hook"},
@@ -321,6 +396,20 @@ HOOK_BUGS = {
     # a unit's backward cannot run on empty weights: every check that runs backward fails
     NoRegather: {name: "must be gathered again before that unit's backward" for name in VISIBLE_HOOKS},
     UsesTorchAdamW: {name: "your code called torch.optim.AdamW" for name in VISIBLE_HOOKS},
+}
+# the hidden configurations that meet the awkward model (kit.SITUATIONS: tuple-output,
+# root-params, eval-no-grad), as the notebook's hidden tests call them
+HIDDEN_HOOKS = {
+    "numerics": lambda cls, **kw: lesson05.check_numerics(cls, world_size=2, model="awkward", units="children", **kw),
+    "memory": lambda cls, **kw: lesson05.check_memory(cls, world_size=2, model="awkward", **kw),
+    "traffic": lambda cls, **kw: lesson05.check_traffic(cls, world_size=2, model="awkward", **kw),
+}
+# bug -> {hidden check it must fail: a fragment of the reason}; it passes every visible check
+# and every other hidden one
+HIDDEN_HOOK_BUGS = {
+    OneTensorOutput: {"numerics": "the hook assumed one tensor output"},
+    RootKeptAfterEval: {"memory": "after an eval forward under torch.no_grad()"},
+    FreesRootAfterForward: {"traffic": "freed after its forward and gathered again for backward"},
 }
 # a bug that may hang the ranks is stopped sooner than a student's would be
 SHORT_TIMEOUT = 20.0
@@ -368,6 +457,16 @@ def test_hooks_are_graded_apart_from_the_mechanics(capsys):
 @pytest.mark.parametrize("bug", list(HOOK_BUGS), ids=lambda b: b.__name__)
 def test_each_hook_bug_fails_exactly_its_check(bug, capsys):
     fails_exactly(VISIBLE_HOOKS, bug, HOOK_BUGS[bug], capsys, timeout=SHORT_TIMEOUT)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("bug", list(HIDDEN_HOOK_BUGS), ids=lambda b: b.__name__)
+def test_each_awkward_model_bug_fails_exactly_its_hidden_check(bug, capsys):
+    """Bugs only the awkward model shows (a tuple or dict output, a root that owns parameters)
+    cost the one hidden check meant for them, and nothing visible."""
+    fails_exactly(HIDDEN_HOOKS, bug, HIDDEN_HOOK_BUGS[bug], capsys, timeout=SHORT_TIMEOUT)
+    fails_exactly(VISIBLE_HOOKS, bug, {}, capsys, timeout=SHORT_TIMEOUT)
 
 
 @pytest.mark.distributed

@@ -62,6 +62,74 @@ _KEEPS_PREFETCH = '''
             self._full[bi] = None
 '''
 
+# Exercise 1's all-gather issued without group=: right on the default group, wrong (or a crash)
+# on any subgroup the optimizer is given.
+_NO_GROUP = '''
+    def _start_gather(self, bi):
+        if self._full[bi] is not None or bi in self._gathering:
+            return
+        shard = self.flat_params[bi]
+        full = self._gather_buffer(bi, shard)
+        work = all_gather(full, shard, async_op=True)  # BUG: no group=self.group
+        self._gathering[bi] = (work, full, shard)
+'''
+# Exercise 1's _free releases a prefetch's buffer while its all-gather may still be writing into it.
+_FREE_NO_WAIT = '''
+    @torch.no_grad()
+    def _free(self, bi):
+        if bi in self._gathering:
+            _work, full, _shard = self._gathering.pop(bi)  # BUG: released without work.wait()
+            full.untyped_storage().resize_(0)
+        if self._full[bi] is not None:
+            for p in self.buckets[bi].params:
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            self._full[bi].untyped_storage().resize_(0)
+            self._full[bi] = None
+'''
+# Exercise 2's _post_forward with one mistake each (the rest as the solution has it).
+_ROOT_KEPT_AFTER_EVAL = '''
+    def _post_forward(self, u, module, args, output):
+        if torch.is_grad_enabled():
+            tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            if tensors:
+                register_multi_grad_hook(tensors, partial(self._pre_backward, u), mode="any")
+        if u != 0:  # BUG: the root kept for a backward, even under no_grad where none comes
+            for bi in self._buckets_of_unit[u]:
+                self._free(bi)
+'''
+_ONE_TENSOR_OUTPUT = '''
+    def _post_forward(self, u, module, args, output):
+        backward_coming = torch.is_grad_enabled()
+        if backward_coming and output.requires_grad:  # BUG: the output may be a tuple or a dict
+            output.register_hook(partial(self._pre_backward, u))
+        if u != 0 or not backward_coming:
+            for bi in self._buckets_of_unit[u]:
+                self._free(bi)
+'''
+_FREES_ROOT = '''
+    def _post_forward(self, u, module, args, output):
+        if torch.is_grad_enabled():
+            tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            if tensors:
+                register_multi_grad_hook(tensors, partial(self._pre_backward, u), mode="any")
+        for bi in self._buckets_of_unit[u]:  # BUG: the root too, so backward gathers it again
+            self._free(bi)
+'''
+
+
+def _mechanics(student_id, defect, method, code, reason):
+    """A student whose exercise 1 has one bug (the hooks right): it costs test_gather_free only."""
+    return Student(student_id, defect, {**FULL, "test_gather_free": 0}, reason=reason,
+                   cells={"sharded_parameters": method_replaced(method, code), "my_zero3": SOLUTION,
+                          "understanding": SOLUTION})
+
+
+def _hooks(student_id, defect, test, code, reason):
+    """A student whose exercise 2 _post_forward has one bug (exercise 1 right): it costs `test` only."""
+    return Student(student_id, defect, {**FULL, test: 0}, reason=reason,
+                   cells={"sharded_parameters": SOLUTION, "my_zero3": method_replaced("_post_forward", code),
+                          "understanding": SOLUTION})
+
 
 STUDENTS = [
     correct(LESSON, "sharded_parameters", "my_zero3", "understanding"),
@@ -78,4 +146,14 @@ STUDENTS = [
             "allocated (hooks right)", {**FULL, "test_gather_free": 0}, reason="a prefetch nobody used",
             cells={"sharded_parameters": method_replaced("_free", _KEEPS_PREFETCH),
                    "my_zero3": SOLUTION, "understanding": SOLUTION}),
+    _mechanics("gather_without_group", "exercise 1's all-gather issued without group=self.group",
+               "_start_gather", _NO_GROUP, "issued without group=self.group"),
+    _mechanics("frees_prefetch_without_wait", "exercise 1's _free releases a prefetch's buffer without waiting "
+               "for its all-gather", "_free", _FREE_NO_WAIT, "without waiting for the transfer"),
+    _hooks("root_kept_after_eval", "the root unit stays gathered after an eval forward under torch.no_grad()",
+           "test_parameters_sharded", _ROOT_KEPT_AFTER_EVAL, "after an eval forward under torch.no_grad()"),
+    _hooks("one_tensor_output", "_post_forward hooks the output as one tensor: a unit returning a tuple or a "
+           "dict crashes it", "test_matches_adamw", _ONE_TENSOR_OUTPUT, "the hook assumed one tensor output"),
+    _hooks("frees_root_after_forward", "the root unit freed after its forward and gathered again in backward",
+           "test_communication", _FREES_ROOT, "freed after its forward and gathered again for backward"),
 ]
