@@ -7,6 +7,7 @@ solutions/ and of lessons/), so this file tests what a student gets and what the
 instructor ships. The broken variants below subclass the solution and replace one method.
 """
 
+import json
 import sys
 
 import cloudpickle
@@ -17,7 +18,7 @@ import torch.distributed as dist
 import zerokit
 from zerokit.comm import reduce_scatter
 from zerokit.grading import lesson04
-from conftest import exercise_module, fails_every_check, fails_exactly, outcome
+from conftest import ROOT, exercise_module, fails_every_check, fails_exactly, outcome
 
 # the classes below are sent to the ranks by value: this module is not importable there
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -189,6 +190,69 @@ class SumNotMean(Solution):
         self._next = bi + 1
 
 
+class IfNotWhile(Solution):
+    """`if` where `while` belongs: a gradient that completes the head of the line sends only the head,
+    though buckets behind it are complete too (gradients out of bucket order): they go out late."""
+
+    def _on_grad_ready(self, param):
+        bi, _ = self._where[param]
+        self._ready[bi] += 1
+        if self._next < len(self.buckets) and self._ready[self._next] == len(self.buckets[self._next].params):
+            self._send(self._next)
+
+
+class WaitsInSend(Solution):
+    """Waits for each reduce-scatter inside _send: right numbers, no overlap with backward."""
+
+    @torch.no_grad()
+    def _send(self, bi):
+        super()._send(bi)
+        self._in_flight[-1][0].wait()
+
+
+class BlockingSend(Solution):
+    """The reduce-scatter called blocking (async_op=False), a finished stand-in kept as its work."""
+
+    @torch.no_grad()
+    def _send(self, bi):
+        bucket = self.buckets[bi]
+        flat = bucket.flatten([p.grad for p in bucket.params])
+        for p in bucket.params:
+            p.grad = None
+        out = torch.empty(bucket.shard_numel)
+        reduce_scatter(out, flat, op=dist.ReduceOp.AVG, group=self.group)
+        self._in_flight.append((_Done(), bi, out, flat))
+        self._next = bi + 1
+
+
+class DefaultGroup(Solution):
+    """Reduce-scatters on the default group instead of self.group: right only while they are the same."""
+
+    @torch.no_grad()
+    def _send(self, bi):
+        bucket = self.buckets[bi]
+        flat = bucket.flatten([p.grad for p in bucket.params])
+        for p in bucket.params:
+            p.grad = None
+        out = torch.empty(bucket.shard_numel)
+        work = reduce_scatter(out, flat, op=dist.ReduceOp.AVG, async_op=True)
+        self._in_flight.append((work, bi, out, flat))
+        self._next = bi + 1
+
+
+class CapsOneInFlight(Solution):
+    """Not a bug: at most one transfer in flight, so the next _send first waits for the previous one
+    (section 8's cap, at 1). Each transfer still overlaps the backward up to the next send."""
+
+    @torch.no_grad()
+    def _send(self, bi):
+        while self._in_flight:
+            work, b, out, _flat = self._in_flight.pop(0)
+            work.wait()
+            self.grad_shards[b] = out if self.grad_shards[b] is None else self.grad_shards[b] + out
+        super()._send(bi)
+
+
 class SubclassesZeRO2(zerokit.ZeRO2Adam):
     """zerokit's ZeRO-2 under the student's name."""
 
@@ -213,6 +277,21 @@ VISIBLE = {
 # (the solution passes these and the hidden configurations: nbmake runs solutions/04_zero2, and
 # test_autograde grades it)
 
+
+def _hidden(grade_id, check):
+    """The hidden call of lesson04.<check> in the solution's test cell grade_id, as check(cls, **kw)."""
+    nb = json.loads((ROOT / "solutions" / "04_zero2" / "04_zero2.ipynb").read_text())
+    src = next("".join(c["source"]) for c in nb["cells"]
+               if c.get("metadata", {}).get("nbgrader", {}).get("grade_id") == grade_id)
+    hidden = src.split("### BEGIN HIDDEN TESTS")[1]
+    call = next(line for line in hidden.splitlines() if line.startswith(f"lesson04.{check}(MyZeRO2Adam, "))
+    args = call[len(f"lesson04.{check}(MyZeRO2Adam, "):-1]
+    return eval(f"lambda cls, **kw: lesson04.{check}(cls, {args}, **kw)", {"lesson04": lesson04})
+
+
+# buckets of 30 on the transformer (gradients out of bucket order), on a group of ranks 1, 2 of 3
+HIDDEN_TRAFFIC = _hidden("test_reduced_during_backward", "check_traffic")
+
 # bug -> {check it must fail: a fragment of the reason}; it must pass every other check
 BUGS = {
     # never freeing .grad also breaks accumulation: each backward adds into the last one's .grad,
@@ -227,6 +306,7 @@ BUGS = {
     NoFlush: {"unused_parameters": "after the step differs"},  # the last buckets never sent: stale weights
     OverwritesShards: {"accumulation": "must be added to grad_shards"},
     SumNotMean: {"numerics": "the mean over ranks, not the sum"},
+    WaitsInSend: {"traffic": "was waited for inside _send"},
 }
 # Adam is nearly blind to the scale of the gradient, but not quite (eps): the weights that
 # unused_parameters and accumulation compare may drift past their tolerance too
@@ -268,6 +348,29 @@ def test_the_bucket_order_rule_is_told_only_where_the_gradient_shards_point_at_i
         assert "the reduce-scatter summed" in summed and lesson04.ORDER_RULE not in summed, summed
     unflushed = outcome(VISIBLE["unused_parameters"], NoFlush, capsys, timeout=SHORT_TIMEOUT)
     assert unflushed is not None and lesson04.ORDER_RULE in unflushed and "grad_shards[" in unflushed, unflushed
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("bug, fragment", [
+    # LayerNorm's bias completes its weight's bucket too
+    (IfNotWhile, "completed 2 buckets at once (bucket 1 (norm.bias); bucket 2 (norm.weight)"),
+    (BlockingSend, "was issued blocking (async_op=False)"),
+    (DefaultGroup, "went to ranks [0, 1, 2] (the default group?), not to the optimizer's group, ranks [1, 2]"),
+], ids=["IfNotWhile", "BlockingSend", "DefaultGroup"])
+def test_the_hidden_traffic_check_catches_what_only_its_fixture_shows(bug, fragment, capsys):
+    """Out-of-order gradients (a bucket completed behind the head) and a subgroup are in the hidden
+    configuration only; a blocking call is the wait in _send by another name."""
+    reason = outcome(HIDDEN_TRAFFIC, bug, capsys, timeout=SHORT_TIMEOUT)
+    assert reason is not None and fragment in reason.splitlines()[0], reason
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("cls", [Solution, CapsOneInFlight], ids=lambda c: c.__name__)
+def test_the_hidden_traffic_check_passes_the_solution_and_a_cap_on_transfers_in_flight(cls, capsys):
+    """A cap waits for an earlier transfer inside the next _send: not the wait the check refuses."""
+    assert outcome(HIDDEN_TRAFFIC, cls, capsys, timeout=SHORT_TIMEOUT) is None
 
 
 # ---------------------------------------------------------------------------------------

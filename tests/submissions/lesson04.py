@@ -18,6 +18,19 @@ KEEPS_FULL_GRADIENT = solution_with(
     "            p.grad = None  # the full gradient is gone as soon as its bucket is on its way\n",
     "            pass  # BUG: the full gradient stays alive\n")
 
+# _on_grad_ready with `if` for `while`: when one gradient completes several buckets (those behind the
+# head already complete), only the head goes out and the rest wait; the hidden test's buckets of 30
+# put each LayerNorm's bias and weight apart, and the weight's gradient arrives first.
+IF_NOT_WHILE = solution_with(
+    "        while self._next < len(self.buckets) and self._ready[self._next] == len(self.buckets[self._next]",
+    "        if self._next < len(self.buckets) and self._ready[self._next] == len(self.buckets[self._next]")
+
+# _send waits for its own reduce-scatter: right numbers, but backward stands still while each bucket travels.
+WAITS_IN_SEND = solution_with(
+    "        self._in_flight.append((work, bi, out, flat))\n",
+    "        work.wait()  # BUG: blocks backward until the transfer is done\n"
+    "        self._in_flight.append((work, bi, out, flat))\n")
+
 STUDENTS = [
     correct(LESSON, "my_zero2", "answers", "stretch_clipping"),
     # the stubs' reason and the questions' both ask whether the cell is still the stub
@@ -30,4 +43,10 @@ STUDENTS = [
             {**FULL, "test_gradients_sharded": 0, "test_accumulation": 0}, reason=".grad is still set",
             cells={"my_zero2": KEEPS_FULL_GRADIENT, "test_gradients_sharded": "pass  # all good\n",
                    "answers": SOLUTION}),
+    Student("if_not_while", "sends only the head of the line when one gradient completes several buckets",
+            {**FULL, "test_reduced_during_backward": 0}, reason="only the first went out",
+            cells={"my_zero2": IF_NOT_WHILE, "answers": SOLUTION}),
+    Student("waits_in_send", "waits for each reduce-scatter inside _send: no overlap with backward",
+            {**FULL, "test_reduced_during_backward": 0}, reason="waited for inside _send",
+            cells={"my_zero2": WAITS_IN_SEND, "answers": SOLUTION}),
 ]
