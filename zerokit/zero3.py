@@ -42,6 +42,7 @@ FSDP2). `MixedPrecision(half_shard=True)` keeps one anyway, as the ZeRO paper co
 """
 
 from contextlib import contextmanager
+from enum import Enum
 from functools import partial
 
 import torch
@@ -54,12 +55,27 @@ from .comm import all_gather
 from .flat import FlatBucket
 from .zero2 import ZeRO2Adam, weak_hook
 
-__all__ = ["ZeRO3Adam", "ShardedParameters", "default_units", "assign_units"]
+__all__ = ["ZeRO3Adam", "ShardedParameters", "UnitState", "default_units", "unit_list", "assign_units",
+           "bucket_plan", "install_unit_hooks"]
+
+
+class UnitState(Enum):
+    """Where a bucket's (a unit's) parameters are, as FSDP2's ShardedState names it."""
+
+    SHARDED = "sharded"  # only this rank's shard; the parameters are empty tensors
+    GATHERING = "gathering"  # an all-gather in flight: its buffer is being written, not yet to be read
+    GATHERED = "gathered"  # the full parameters installed, views of the gathered buffer
 
 
 def default_units(model):
     """Every module that directly owns a trainable parameter, in registration order."""
     return [m for m in model.modules() if any(p.requires_grad for p in m.parameters(recurse=False))]
+
+
+def unit_list(module, units=None):
+    """The units ZeRO-3 gathers and frees: the model itself first (the root unit, which gets
+    every parameter no smaller unit owns alone), then `units` (default: default_units)."""
+    return [module] + [m for m in (units if units is not None else default_units(module)) if m is not module]
 
 
 def assign_units(units):
@@ -82,6 +98,29 @@ def assign_units(units):
     return unit_of
 
 
+def bucket_plan(units, params):
+    """[(unit index, its parameters)]: one bucket per unit that owns any of `params`, the last
+    unit first, because backward finishes the units in that order."""
+    unit_of = assign_units(units)
+    plan = []
+    for u in reversed(range(len(units))):
+        mine = [p for p in params if unit_of[p] == u]
+        if mine:
+            plan.append((u, mine))
+    return plan
+
+
+def install_unit_hooks(opt):
+    """ZeRO-3's forward hooks on every unit of `opt` (lesson 05, exercise 2): `_record` notes
+    the order the units run in (the prefetch's guide), `_pre_forward` gathers the unit,
+    `_post_forward` frees it and hooks its backward."""
+    opt._order, opt._last_order = [], []  # units in the order this (the last) forward ran them
+    for u, m in enumerate(opt.units):
+        m.register_forward_pre_hook(partial(weak_hook(opt._record), u))  # runs first
+        m.register_forward_pre_hook(partial(weak_hook(opt._pre_forward), u))
+        m.register_forward_hook(partial(weak_hook(opt._post_forward), u))
+
+
 class ShardedParameters(ZeRO2Adam):
     """ZeRO-2 whose parameters keep only this rank's shard between uses: one bucket per
     unit, the unit's parameters empty until gathered (lesson 05, exercise 1).
@@ -97,8 +136,7 @@ class ShardedParameters(ZeRO2Adam):
             raise TypeError(f"{type(self).__name__} takes the model (an nn.Module), not its parameters: "
                             "it hooks each module's forward to gather the weights")
         self.module, self.prefetch = module, prefetch
-        # unit 0 is the model itself: it gets the parameters no smaller unit owns alone
-        self.units = [module] + [m for m in (units if units is not None else default_units(module)) if m is not module]
+        self.units = unit_list(module, units)  # unit 0, the root, is the model itself
         self._unit_of = assign_units(self.units)  # parameter -> the index of its unit
         # bucket_mb is unused here: a bucket is a unit, sent when the unit's gradients are in
         super().__init__(module.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, group=group,
@@ -112,12 +150,13 @@ class ShardedParameters(ZeRO2Adam):
 
     def _make_buckets(self, params):
         """One bucket per unit, the last unit first: backward finishes the units in that order."""
-        buckets = []
-        for u in reversed(range(len(self.units))):
-            mine = [p for p in params if self._unit_of[p] == u]
-            if mine:
-                buckets.append(FlatBucket(mine, self.world_size, self.rank))
-        return buckets
+        return [FlatBucket(mine, self.world_size, self.rank) for _, mine in bucket_plan(self.units, params)]
+
+    def bucket_state(self, bi):
+        """Bucket bi's UnitState, read from the exercise's own fields (_full and _gathering)."""
+        if self._full[bi] is not None:
+            return UnitState.GATHERED
+        return UnitState.GATHERING if bi in self._gathering else UnitState.SHARDED
 
     @torch.no_grad()
     def _install_flat_params(self, i):
@@ -192,7 +231,7 @@ class ShardedParameters(ZeRO2Adam):
 
     def _start_gather(self, bi):
         """Start bucket bi's all-gather (asynchronous) unless it is full or on its way."""
-        if self._full[bi] is not None or bi in self._gathering:
+        if self._full[bi] is not None or bi in self._gathering:  # not UnitState.SHARDED
             return
         # beyond the exercise (lesson 06): an fp32 master at rest is sent in 16 bits
         shard = self.precision.to_half(self.flat_params[bi])
@@ -240,11 +279,7 @@ class ZeRO3Adam(ShardedParameters):
                  units=None, prefetch=True, group=None, precision=None, offload=None):
         super().__init__(module, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, units=units,
                          prefetch=prefetch, group=group, precision=precision, offload=offload)
-        self._order, self._last_order = [], []  # units in the order this (the last) forward ran them
-        for u, m in enumerate(self.units):
-            m.register_forward_pre_hook(partial(weak_hook(self._record), u))  # runs first
-            m.register_forward_pre_hook(partial(weak_hook(self._pre_forward), u))
-            m.register_forward_hook(partial(weak_hook(self._post_forward), u))
+        install_unit_hooks(self)
 
     def _record(self, u, module, args):
         if in_backward():  # beyond the exercise (lesson 08): a recomputation is not a new forward

@@ -53,7 +53,6 @@ and the notebook's process may have rebound it), cached per configuration.
 
 import gc
 import weakref
-from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -63,8 +62,8 @@ from torch.utils._pytree import tree_flatten
 from ..comm import CommCounter
 from ..memory import census
 from ..models import build_model, model_loss
-from ..zero2 import ZeRO2Adam, weak_hook
-from ..zero3 import ShardedParameters, ZeRO3Adam, assign_units, default_units
+from ..zero2 import ZeRO2Adam
+from ..zero3 import ShardedParameters, ZeRO3Adam, bucket_plan, install_unit_hooks, unit_list
 from .compare import assert_close
 from .harness import passed, run_on_ranks
 from .kit import (adamw_reference, alias, assert_adam_shards, bucket_label, check_class, global_batch, lazy_transfers,
@@ -180,16 +179,9 @@ def with_reference_mechanics(cls):
 def _expected_buckets(model, units):
     """[(parameters, unit module)] in the order ZeRO-3 lays its buckets out: one per unit that
     owns trainable parameters, the last unit first (as zerokit.zero3 assigns them)."""
-    chosen = units_of(model, units)
-    unit_list = [model] + [m for m in (chosen if chosen is not None else default_units(model)) if m is not model]
-    unit_of = assign_units(unit_list)
+    chosen = unit_list(model, units_of(model, units))
     trainable = [p for p in model.parameters() if p.requires_grad]
-    out = []
-    for u in reversed(range(len(unit_list))):
-        mine = [p for p in trainable if unit_of[p] == u]
-        if mine:
-            out.append((mine, unit_list[u]))
-    return out
+    return [(mine, chosen[u]) for u, mine in bucket_plan(chosen, trainable)]
 
 
 # ---------------------------------------------------------------------------------------
@@ -486,11 +478,7 @@ class _ReferenceHooks:
 
     def __init__(self, module, **kwargs):
         super().__init__(module, **kwargs)
-        self._order, self._last_order = [], []
-        for u, m in enumerate(self.units):
-            m.register_forward_pre_hook(partial(weak_hook(self._record), u))
-            m.register_forward_pre_hook(partial(weak_hook(self._pre_forward), u))
-            m.register_forward_hook(partial(weak_hook(self._post_forward), u))
+        install_unit_hooks(self)
 
     def _end_of_backward(self):
         super()._end_of_backward()
