@@ -20,6 +20,7 @@ message that names the problem, and pass the others: one bug costs its own point
 | a missing gradient taken as zeros (decay) | unused | "leaves it alone" |
 | one step count for every parameter | unused | "step count per parameter" |
 | skips on this rank's own .grad | unused | "not from this rank's .grad" |
+| skips a segment whose mean gradient is all zeros | unused | "a segment whose gradient is all zeros was skipped" |
 | full flat gradient kept as an attribute | memory | "self.flat_grad" (not "allocate m and v") |
 | subclass of zerokit.ZeRO1Adam | every class check | "subclasses zerokit.ZeRO1Adam" |
 | wraps zerokit.ZeRO1Adam | every class check | "used zerokit's ZeRO1Adam" |
@@ -65,7 +66,8 @@ CHECKS = {
     "numerics": lambda cls: lesson03.check_numerics(cls, world_size=2, model="small-mlp"),
     "memory": lambda cls: lesson03.check_memory(cls, world_size=4, model="wide-mlp"),
     "traffic": lambda cls: lesson03.check_traffic(cls, world_size=2, model="small-mlp"),
-    "unused": lambda cls: lesson03.check_unused_parameters(cls, world_size=2, models=("edge", "branch"),
+    "unused": lambda cls: lesson03.check_unused_parameters(cls, world_size=2, models=("edge", "branch",
+                                                                                      "sparse-embed"),
                                                            weight_decay=0.1),
 }
 
@@ -136,7 +138,7 @@ def _has_grad(self, agreed=True):
     return flags.tolist()
 
 
-def _adam_by_segment(self, param_shard, grad_shard, m, v, has_grad, step=None, one_count=False):
+def _adam_by_segment(self, param_shard, grad_shard, m, v, has_grad, step=None, one_count=False, zero_skips=False):
     """The solution's update: AdamW on each segment of the shard whose parameter has a gradient."""
     group = self.param_groups[0]
     if one_count:  # one step count for every parameter
@@ -144,6 +146,8 @@ def _adam_by_segment(self, param_shard, grad_shard, m, v, has_grad, step=None, o
     for s in self.bucket.segments:
         if not has_grad[s.index]:
             continue
+        if zero_skips and not grad_shard[s.shard_lo:s.shard_hi].any():
+            continue  # BUG: a segment whose mean gradient is all zeros taken for one without a gradient
         self.steps[s.index] += 1
         t = step or (self.count if one_count else self.steps[s.index])
         lo, hi = s.shard_lo, s.shard_hi
@@ -167,7 +171,7 @@ class AllReduceThenSlice(Solution):
 
 
 def _step_with(self, op=dist.ReduceOp.AVG, state=lambda t: t, step=None, gather=True, agreed=True,
-               skip=True, one_count=False):
+               skip=True, one_count=False, zero_skips=False):
     """The solution's step with one thing changed."""
     b = self.bucket
     flat_grad = b.flatten([p.grad for p in b.params])
@@ -177,7 +181,7 @@ def _step_with(self, op=dist.ReduceOp.AVG, state=lambda t: t, step=None, gather=
     if not skip:  # every parameter updated, as if a missing gradient were a zero one
         has_grad = [True] * len(has_grad)
     _adam_by_segment(self, b.shard(self.flat_params), grad_shard, state(self.exp_avg), state(self.exp_avg_sq),
-                     has_grad, step, one_count)
+                     has_grad, step, one_count, zero_skips)
     if gather:
         dist.all_gather_single(self.flat_params, b.shard(self.flat_params))
 
@@ -209,6 +213,14 @@ class OneStepCount(Solution):
     """Skips parameters without a gradient, but keeps one step count for all of them."""
 
     step = torch.no_grad()(lambda self, closure=None: _step_with(self, one_count=True))
+
+
+class SkipsZeroSegments(Solution):
+    """Skips a segment of its shard whose mean gradient is all zeros, as if it had no gradient: right on
+    edge and branch (a gradient that is None is zeros after the reduce-scatter), wrong where a gradient
+    is genuinely zero (sparse-embed's rows no batch looks up): AdamW still decays those weights."""
+
+    step = torch.no_grad()(lambda self, closure=None: _step_with(self, zero_skips=True))
 
 
 class SkipsOnLocalGradient(Solution):
@@ -273,6 +285,7 @@ DEFECTS = {  # class -> {check that must fail: message fragment}; every other ch
     DataParallelInDisguise: {"memory": "as large as the whole model", "traffic": "all-reduced"},
     DecaysUnused: {"unused": "had no gradient on any rank, so AdamW leaves it alone"},
     OneStepCount: {"unused": "needs a step count per parameter"},
+    SkipsZeroSegments: {"unused": "a segment whose gradient is all zeros was skipped"},
     SkipsOnLocalGradient: {"unused": "not from this rank's .grad"},
     KeepsFlatGradient: {"memory": "self.flat_grad"},
     SubclassesZeroKit: {name: "subclasses zerokit.ZeRO1Adam" for name in CHECKS},
@@ -304,9 +317,10 @@ def test_hidden_configurations_catch_the_same_bugs():
     fails(lesson03.check_traffic, AllReduceThenSlice, world_size=3, model="edge", weight_decay=0.0,
           match="all-reduced")
     for cls, match in ((DecaysUnused, "leaves it alone"), (OneStepCount, "step count per parameter"),
-                       (SkipsOnLocalGradient, "not from this rank's .grad")):
-        fails(lesson03.check_unused_parameters, cls, world_size=3, models=("branch", "edge"), weight_decay=0.05,
-              steps=5, match=match)
+                       (SkipsOnLocalGradient, "not from this rank's .grad"),
+                       (SkipsZeroSegments, "a segment whose gradient is all zeros was skipped")):
+        fails(lesson03.check_unused_parameters, cls, world_size=3, models=("branch", "edge", "sparse-embed"),
+              weight_decay=0.05, steps=5, match=match)
 
 
 # ---------------------------------------------------------------------------------------
@@ -335,17 +349,34 @@ def test_the_solution_leaves_a_parameter_without_gradient_alone():
 
 
 @pytest.mark.timeout(30)
+def test_a_segment_of_zero_gradient_skipped_is_named_from_what_was_seen():
+    """sparse-embed on 2 ranks: rank 1's segment of the embedding (elements 417..767 of 768) has a mean
+    gradient of zeros, not None. Skipping it leaves those weights exactly as they were, where AdamW
+    decays them by 1 - lr x weight_decay: the reason names those elements (whichever rank reports it:
+    every rank sees the whole parameter after the all-gather), the factor and the flags."""
+    reason = fails(lesson03.check_unused_parameters, SkipsZeroSegments, world_size=2, models=("sparse-embed",),
+                   weight_decay=0.1, match="a segment whose gradient is all zeros was skipped")
+    for fragment in ("sparse-embed: step 1: embed.weight had a gradient on every rank", "(elements 417..767)",
+                     "1 - lr x weight_decay = 0.999", "the all-reduced flags"):
+        assert fragment in reason, reason
+    # AdamW's own skip, by the flags, still holds on the same model: the solution passes it
+    lesson03.check_unused_parameters(Solution, world_size=2, models=("sparse-embed",), weight_decay=0.1)
+
+
+@pytest.mark.timeout(30)
 def test_the_traffic_pass_adds_up_in_one_unit(capsys):
     """The ✓ once listed the flags' all-reduce by its elements and summed it by its volume (4 shown,
-    8 added: 2,544 where the terms make 2,540); every number it adds is now in one unit."""
+    8 added: 2,544 where the terms make 2,540); every number it adds is now a volume, named so, and
+    each call is named by its elements."""
     import re
 
     lesson03.check_traffic(Solution, world_size=2, model="small-mlp")
     said = capsys.readouterr().out
-    rs, ag, both = map(int, re.search(r"reduce-scatter (\d+) \+ all-gather (\d+) = (\d+) elements", said).groups())
-    flags, twice, total = map(int, re.search(r"all-reduce of (\d+) flags .*?2 x \d+ = (\d+) elements, (\d+) in all",
+    rs, ag, rs2, ag2, both = map(int, re.search(
+        r"reduce-scatter of (\d+) and an all-gather of (\d+) elements, volume (\d+) \+ (\d+) = (\d+)", said).groups())
+    flags, twice, total = map(int, re.search(r"all-reduce of (\d+) flags .*?volume 2 x \d+ = (\d+): (\d+) in all",
                                              said).groups())
-    assert rs + ag == both and 2 * flags == twice and both + twice == total, said
+    assert (rs, ag) == (rs2, ag2) and rs + ag == both and 2 * flags == twice and both + twice == total, said
 
 
 def _two_groups(rank, world_size, cls):

@@ -21,6 +21,7 @@ with a message naming the problem, and pass the others: one bug costs its own po
 | optimizer steps on an overflow step | overflow step | "nothing may change" |
 | skips, but counts the skipped step (each parameter's t) | overflow step | "step 2 was skipped ... advanced on it" |
 | skips, self.steps right, but the bias correction counts every call | overflow step | "must leave no trace" |
+| one step count for every parameter (hidden: branch sits out a step) | numerics | "needs each parameter's own count" |
 | the untouched student notebook | every check | "NotImplementedError" |
 """
 
@@ -140,7 +141,7 @@ class HalfMasters(Optimizer):
         self.masters = [p.detach().clone() for p in self.params]  # BUG: 16-bit copies (m and v fp32)
 
 
-def _step(self, on_half=False, ignore_skip=False, count_skipped=False, scaled=False, twice=False):
+def _step(self, on_half=False, ignore_skip=False, count_skipped=False, scaled=False, twice=False, one_count=False):
     group = self.param_groups[0]
     with_grad = [i for i, p in enumerate(self.params) if p.grad is not None]
     for i in with_grad:
@@ -155,11 +156,14 @@ def _step(self, on_half=False, ignore_skip=False, count_skipped=False, scaled=Fa
             self.steps[i] += 1  # BUG: counted before the verdict, so a skipped step still advances t
     if not self.scaler.update() and not ignore_skip:
         return None
+    if one_count:
+        self.count = getattr(self, "count", 0) + 1  # BUG: one count for every parameter
     for i, grad in zip(with_grad, grads):
         if not count_skipped:
             self.steps[i] += 1
         target = self.params[i].data if on_half else self.masters[i]
-        adamw_update_(target, grad, self.exp_avgs[i], self.exp_avg_sqs[i], self.steps[i], lr=group["lr"],
+        t = self.count if one_count else self.steps[i]
+        adamw_update_(target, grad, self.exp_avgs[i], self.exp_avg_sqs[i], t, lr=group["lr"],
                       beta1=group["betas"][0], beta2=group["betas"][1], eps=group["eps"],
                       weight_decay=group["weight_decay"])
         if not on_half:
@@ -193,6 +197,12 @@ class StepsAnyway(Optimizer):
 class CountsSkippedSteps(Optimizer):
     # BUG: the skipped step leaves nothing changed at that step, but t advanced: every later step is off
     step = torch.no_grad()(lambda self, closure=None: _step(self, count_skipped=True))
+
+
+class OneCountForAll(Optimizer):
+    # BUG: one step count for every parameter: a parameter that sat out a step (BranchNet's branch) gets the
+    # bias correction of a t one too large
+    step = torch.no_grad()(lambda self, closure=None: _step(self, one_count=True))
 
 
 class FeedsScaledGradient(Optimizer):
@@ -258,6 +268,19 @@ def test_each_defect_fails_exactly_its_checks(cls, capsys):
 
 
 @pytest.mark.timeout(60)
+def test_one_count_for_every_parameter_is_caught_where_a_layer_sits_out(capsys):
+    """With every parameter stepping every step (mlp; edge, whose unused layer never steps) one count
+    is right; on branch, which sits out step 2, the branch's t is 2 after step 3, not 3. The hidden
+    test runs branch beside edge in one launch; the reason names the step that was sat out."""
+    _numerics_visible(OneCountForAll)
+    lesson06.check_numerics(Optimizer, world_size=3, model=("edge", "branch"), dtype="fp16", steps=3)
+    assert "(edge, Ψ = 745, branch, Ψ = 566)" in capsys.readouterr().out
+    reason = fails(lesson06.check_numerics, OneCountForAll, world_size=3, model=("edge", "branch"), dtype="fp16",
+                   steps=3, match="needs each parameter's own count")
+    assert "branch.weight had no gradient in step 2, so AdamW has counted 2 steps for it, not 3" in reason, reason
+
+
+@pytest.mark.timeout(60)
 def test_hidden_configurations_catch_the_same_bugs():
     """N = 3 and 4, another bad rank, the transformer in fp16."""
     fails(lesson06.check_overflow_agreed, LocalOverflow, world_size=3, bad_rank=0, match="agreed across ranks")
@@ -274,5 +297,7 @@ def test_hidden_configurations_catch_the_same_bugs():
           match="step 3 was skipped")
     fails(lesson06.check_numerics, FeedsScaledGradient, world_size=3, model="transformer", dtype="fp16", steps=3,
           match="is S = 1024 times AdamW's")
-    fails(lesson06.check_numerics, UnscalesTwice, world_size=3, model="edge", dtype="fp16", steps=3,
+    fails(lesson06.check_numerics, UnscalesTwice, world_size=3, model=("edge", "branch"), dtype="fp16", steps=3,
           match="divided by the loss scale twice")
+    fails(lesson06.check_numerics, OneCountForAll, world_size=3, model=("edge", "branch"), dtype="fp16", steps=3,
+          match="branch: step 3: the master weights of branch.weight (self.masters[2]) differ from AdamW's")

@@ -5,7 +5,7 @@ The class checks use a reference average_gradients in place of the student's, so
 mean costs exercise (a)'s 3 points only. Every defect student answers the questions right.
 """
 
-from . import SOLUTION, Student, correct, full_marks, untouched
+from . import SOLUTION, Student, correct, full_marks, solution_with, untouched
 
 LESSON = "02_distributed_adam"
 KEEP = ("import zerokit", 'os.environ["ZEROKIT_LAUNCHER"]')
@@ -27,6 +27,33 @@ def average_gradients(params):
 AVERAGES_TWICE = SUMS.replace(
     "    dist.all_reduce(flat)  # BUG: the sum of the ranks' gradients, never divided by N\n",
     "    dist.all_reduce(flat, op=dist.ReduceOp.AVG)\n    flat.div_(dist.get_world_size())  # BUG: AVG divided already\n")
+
+# A missing gradient made a zero one before the all-reduce: the parameter the forward never
+# uses then has a .grad, and Adam decays it and counts a step where AdamW skips it.
+ZEROS_FOR_NONE = '''@torch.no_grad()
+def average_gradients(params):
+    grads = []
+    for p in params:
+        if p.requires_grad:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)  # BUG: no gradient is not a zero gradient
+            grads.append(p.grad)
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    flat.div_(dist.get_world_size())
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+'''
+
+# The broadcast of __init__ limited to the parameters that train: every rank keeps its own
+# frozen weights, so the replicas are different models from the start.
+TRAINABLE_ONLY = solution_with(
+    "            for p in self.all_params():\n                dist.broadcast(p.data, src=0)\n",
+    "            for p in self.all_params():\n"
+    "                if p.requires_grad:  # BUG: the frozen ones take part in the forward too\n"
+    "                    dist.broadcast(p.data, src=0)\n")
 
 CLASS = '''class MyDistributedAdam(Adam):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):
@@ -66,6 +93,12 @@ STUDENTS = [
     Student("averages_twice", "ReduceOp.AVG, then divided by N as well: 1/N of the mean (the class is right)",
             {**FULL, "test_average_gradients": 0}, reason="the ranks' gradients were averaged twice",
             cells={"average_gradients": AVERAGES_TWICE, "distributed_adam_class": SOLUTION, "answers": SOLUTION}),
+    Student("zeros_for_none", "a parameter without a gradient given a .grad of zeros (the class is right)",
+            {**FULL, "test_average_gradients": 0}, reason="a missing gradient was turned into one",
+            cells={"average_gradients": ZEROS_FOR_NONE, "distributed_adam_class": SOLUTION, "answers": SOLUTION}),
+    Student("broadcasts_trainable_only", "__init__ broadcasts the trainable parameters only: every rank keeps its "
+            "own frozen weights", {**FULL, "test_ddp_numerics": 0}, reason="left the frozen ones out",
+            cells={"average_gradients": SOLUTION, "distributed_adam_class": TRAINABLE_ONLY, "answers": SOLUTION}),
     Student("averages_after_step", "step() updates with the local gradient, then averages",
             {**FULL, "test_ddp_numerics": 0}, reason="but after the update",
             cells={"average_gradients": SOLUTION, "distributed_adam_class": AFTER_STEP, "answers": SOLUTION}),

@@ -21,7 +21,7 @@ FULL_STATE = '''class MyZeRO1Adam(torch.optim.Optimizer):
         self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
         trainable = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
         with torch.no_grad():
-            for p in trainable:
+            for p in self.param_groups[0]["params"]:
                 dist.broadcast(p.data, src=0)
         self.bucket = FlatBucket(trainable, self.world_size, self.rank)
         self.flat_params = self.bucket.flatten([p.data for p in trainable])
@@ -61,7 +61,7 @@ CALLS_ADAMW = '''class MyZeRO1Adam(torch.optim.Optimizer):
         self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
         trainable = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
         with torch.no_grad():
-            for p in trainable:
+            for p in self.param_groups[0]["params"]:
                 dist.broadcast(p.data, src=0)
         self.bucket = FlatBucket(trainable, self.world_size, self.rank)
         self.flat_params = self.bucket.flatten([p.data for p in trainable])
@@ -90,6 +90,14 @@ CALLS_ADAMW = '''class MyZeRO1Adam(torch.optim.Optimizer):
 # gradient were zero, so weight decay (and momentum) move it (what the lesson's text used to lead to).
 DECAYS_UNUSED = solution_with("            if not has_grad[s.index]:\n                continue\n", "")
 
+# The skip decided by the values: a segment of the shard whose mean gradient is all zeros is taken
+# for one without a gradient. Right on edge and branch (a None gradient is zeros after the
+# reduce-scatter), wrong on sparse-embed, whose unused embedding rows have a gradient of zeros.
+SKIPS_ZERO_SEGMENTS = solution_with(
+    "            if not has_grad[s.index]:\n                continue\n",
+    "            if not grad_shard[s.shard_lo:s.shard_hi].any():  # BUG: zero is a gradient, not a missing one\n"
+    "                continue\n")
+
 STUDENTS = [
     correct(LESSON, "shard_range", "zero1_class", "answers", "stretch_param_groups"),
     # the stubs' reason and the questions' both ask whether the cell is still the stub
@@ -103,6 +111,10 @@ STUDENTS = [
     Student("decays_unused", "updates parameters that no rank has a gradient for (weight decay where AdamW skips)",
             {**FULL, "test_zero1_unused_parameters": 0}, reason="leaves it alone",
             cells={"shard_range": SOLUTION, "zero1_class": DECAYS_UNUSED, "answers": SOLUTION}),
+    Student("skips_zero_segments", "skips a segment of its shard whose mean gradient is all zeros, as if no rank "
+            "had a gradient (AdamW still decays it)", {**FULL, "test_zero1_unused_parameters": 0},
+            reason="a segment whose gradient is all zeros was skipped",
+            cells={"shard_range": SOLUTION, "zero1_class": SKIPS_ZERO_SEGMENTS, "answers": SOLUTION}),
     Student("calls_adamw", "MyZeRO1Adam hands its shard to torch.optim.AdamW (cheat)",
             {**ZERO, "test_shard_range": 2, "test_questions": FULL["test_questions"]}, reason="torch.optim.AdamW",
             cells={"shard_range": SOLUTION, "zero1_class": CALLS_ADAMW, "answers": SOLUTION}),

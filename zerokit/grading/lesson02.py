@@ -4,9 +4,10 @@ r"""Checks for lesson 02 (data parallel Adam): the mean gradient, and replicas t
                                                     of the whole batch (the mean, not the sum); a
                                                     parameter no rank used keeps .grad None; fn
                                                     all-reduces about Ψ elements and nothing else
-    check_numerics(cls, world_size, model)          replicas start from rank 0's weights, stay bitwise
-                                                    equal, and match torch.optim.AdamW on the whole
-                                                    batch after every step (weights, and m, v)
+    check_numerics(cls, world_size, model)          replicas start from rank 0's weights (frozen ones
+                                                    too), stay bitwise equal, and match
+                                                    torch.optim.AdamW on the whole batch after every
+                                                    step (weights, and m, v)
     check_traffic(cls, world_size, model)           per step: all-reduces of Ψ elements in all (one
                                                     flat buffer or one per parameter), no broadcast
                                                     or all-gather of the parameters
@@ -38,6 +39,28 @@ from .harness import CheckFailed, passed, run_on_ranks
 from .kit import adamw_reference, alias, batch_backward, check_class, psi_of, refusing, trainable
 
 __all__ = ["check_average_gradients", "check_numerics", "check_traffic"]
+
+# the fixture matrix (kit.SITUATIONS): the hidden test that meets each situation, or why none can
+_NO_UNITS = "n/a: data parallel Adam sees parameters and .grad after backward, never units or their outputs"
+SITUATIONS = {
+    "frozen": "check_numerics: edge",  # frozen weights differ per rank until the broadcast
+    "tied": "check_numerics: edge",
+    "unused": "check_average_gradients: edge",  # .grad None must stay None
+    "n3": "check_numerics: world_size=3",
+    "tuple-output": _NO_UNITS,
+    "root-params": _NO_UNITS,
+    "eval-no-grad": "n/a: the optimizer acts only in step(); a forward under torch.no_grad never reaches it (no hooks)",
+    "out-of-order": "n/a: average_gradients runs after backward on every .grad at once; no hook sees gradients arrive",
+    "zero-grad-shard": "n/a: no shards; every rank reduces whole gradients, and a gradient of zeros is averaged and "
+                       "stepped like any other by lesson 01's Adam",
+    "sits-out": "n/a: the per-parameter step counts are lesson 01's Adam, inherited unchanged; and the contract has a "
+                "parameter without a gradient on no rank at all (a branch some ranks skip is zerokit.ddp's case)",
+    "subgroup": "n/a: the exercise's signatures take no process group; every collective runs on the default group",
+    "fp16-scale": "n/a: lesson 02 trains in fp32; the loss scale arrives with mixed precision in lesson 06",
+    "zero3": "n/a: lesson 02 is data parallel; the ZeRO stages start in lesson 03",
+    "peak-memory": "n/a: lesson 02 states no memory rule for the student's code: every rank holds all 16Ψ bytes, "
+                   "measured in section 5, not graded",
+}
 
 GLOBAL_BATCH = 12  # divisible by 2, 3 and 4: every rank gets its own, equal slice
 STREAM = 202  # this lesson's data
@@ -115,11 +138,14 @@ def _average_case(rank, world_size, fn, name):
         for n, p in model.named_parameters():
             if expected[n] is None:
                 if p.grad is not None:
+                    why = "it is frozen, requires_grad=False" if not p.requires_grad else "the forward never uses it"
+                    what = "zeros" if not bool(p.grad.any()) else "elements"
                     raise AssertionError(
-                        f"parameter {n} has no gradient on any rank (it is frozen or unused), but after your "
-                        f"function its .grad is a tensor of {p.grad.numel()} elements. Leave it None, as one "
-                        "process training on the whole batch would: Adam skips a parameter whose .grad is None, "
-                        "while a zero gradient still moves it (weight decay, and m and v from earlier steps).")
+                        f"parameter {n} has no gradient on any rank ({why}), but after your function its .grad is "
+                        f"a tensor of {p.grad.numel()} {what}: a missing gradient was turned into one. "
+                        "Leave it None, as one process training on the whole batch would: Adam skips a parameter "
+                        "whose .grad is None, while a zero gradient still moves it (weight decay, and m and v "
+                        "from earlier steps) and counts a step for it.")
                 continue
             if p.grad is None:
                 raise AssertionError(f"after your function parameter {n} has .grad None; expected the mean "
@@ -230,6 +256,22 @@ def _first_replica_difference(flat):
     return None
 
 
+def _replicas_differ(model):
+    """(rank, max |difference| to rank 0, [parameter names that differ]) of the first rank whose
+    weights are not bitwise rank 0's, or None."""
+    named = list(model.named_parameters())
+    copies = _gather(_flat(p for _, p in named))
+    for r, other in enumerate(copies[1:], start=1):
+        if not torch.equal(other, copies[0]):
+            names, offset = [], 0
+            for n, p in named:
+                if not torch.equal(other[offset:offset + p.numel()], copies[0][offset:offset + p.numel()]):
+                    names.append(n)
+                offset += p.numel()
+            return r, max_abs_diff(other, copies[0]), names
+    return None
+
+
 # ---------------------------------------------------------------------------------------
 # numerics: replicas equal, and equal to torch.optim.AdamW on the whole batch
 
@@ -257,12 +299,22 @@ def _numerics_case(rank, world_size, cls, name, steps, weight_decay, reference):
         model = build_model(name, seed=0 if rank == 0 else 1000 + rank)
         names = [n for n, _ in model.named_parameters()]
         opt = _make(cls, model, weight_decay)
-        differs = _first_replica_difference(_flat(model.parameters()))
+        differs = _replicas_differ(model)
         if differs:
+            r, diff, names = differs
+            frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+            if set(names) <= frozen:
+                raise AssertionError(
+                    f"right after {cls.__name__}(...) rank {r} holds other weights than rank 0 in {', '.join(names)} "
+                    f"only (max |difference| {diff:.3g}), and those are frozen (requires_grad=False): your __init__ "
+                    "broadcast the trainable parameters and left the frozen ones out. Frozen parameters take part "
+                    "in the forward: with its own frozen weights every rank computes another model's outputs and "
+                    "gradients. Broadcast every parameter all_params() lists, frozen ones too")
             raise AssertionError(
-                f"right after {cls.__name__}(...) rank {differs[0]} holds other weights than rank 0 (max |difference| "
-                f"{differs[1]:.3g}): every rank builds its model with its own random initialisation, so the "
-                "optimizer must copy rank 0's parameters to every rank (dist.broadcast(p.data, src=0)) in __init__")
+                f"right after {cls.__name__}(...) rank {r} holds other weights than rank 0 (max |difference| "
+                f"{diff:.3g}; in {', '.join(names[:3])}{', ...' if len(names) > 3 else ''}): every rank builds its "
+                "model with its own random initialisation, so the optimizer must copy rank 0's parameters to every "
+                "rank (dist.broadcast(p.data, src=0)) in __init__")
         for step in range(steps):
             _backward(model, step, name, rank, world_size)
             opt.step()

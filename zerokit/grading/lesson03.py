@@ -5,8 +5,9 @@ r"""Checks for lesson 03 (ZeRO-1): padded shards, and an Adam step on one shard 
                                                  against torch.optim.AdamW on the whole batch
     check_unused_parameters(cls, world_size)     parameters without a gradient as AdamW treats them:
                                                  none on any rank -> left alone (no decay, m, v, step
-                                                 count unchanged); on some ranks -> updated; a step
-                                                 count per parameter
+                                                 count unchanged); on some ranks -> updated; a
+                                                 gradient of zeros (sparse-embed) -> updated, decayed;
+                                                 a step count per parameter
     check_memory(cls, world_size, model)         what the optimizer keeps alive per rank: ~8Ψ/N bytes
     check_traffic(cls, world_size, model)        per step one reduce-scatter and one all-gather
                                                  of Ψ (+padding), no all-reduce of the gradient
@@ -47,6 +48,26 @@ from .kit import (adamw_reference, alias, assert_changed, batch_backward, check_
                   optimizer_held_bytes, psi_of, rank_batch, refusing, trainable)
 
 __all__ = ["check_shard_range", "check_numerics", "check_memory", "check_traffic", "check_unused_parameters"]
+
+# the fixture matrix (kit.SITUATIONS): the hidden test that meets each situation, or why none can
+_FLAT = "n/a: ZeRO-1 is an optimizer over one flat buffer; it sees parameters and .grad, never units or their outputs"
+SITUATIONS = {
+    "zero-grad-shard": "check_unused_parameters: sparse-embed",  # a rank's whole segment of gradient is zeros
+    "frozen": "check_numerics: edge",
+    "tied": "check_numerics: edge",
+    "unused": "check_unused_parameters: edge",
+    "sits-out": "check_unused_parameters: branch",  # the branch sits out step 2 on every rank: counts differ
+    "n3": "check_numerics: world_size=3",
+    "tuple-output": _FLAT,
+    "root-params": _FLAT,
+    "eval-no-grad": "n/a: MyZeRO1Adam acts only in step(); a forward under torch.no_grad never reaches it (no hooks)",
+    "out-of-order": "n/a: step() reads every .grad after backward; no hook sees gradients arrive (that is lesson 04)",
+    "subgroup": "n/a: the scaffold's MyZeRO1Adam takes no process group; every collective runs on the default group",
+    "fp16-scale": "n/a: lesson 03 trains in fp32; the loss scale arrives with mixed precision in lesson 06",
+    "zero3": "n/a: lesson 03's code is ZeRO-1 only; the stages 2 and 3 are lessons 04 and 05",
+    "peak-memory": "n/a: lesson 03's memory rule is what the optimizer holds between steps (8Ψ/N, check_memory); it "
+                   "states no rule for the peak inside step(), where every rank holds the full gradient anyway",
+}
 
 GLOBAL_BATCH = 12  # divisible by 2, 3 and 4: every rank gets its own, equal slice
 STREAM = 303  # this lesson's data
@@ -479,11 +500,12 @@ def check_traffic(cls, world_size=2, model="small-mlp", steps=2, weight_decay=0.
                               timeout=timeout, what=cls.__name__)[0]
     moved = {op: sum(numel for o, numel in calls if o == op) for op in ("reduce_scatter", "all_gather", "all_reduce")}
     rs, ag, flags = moved["reduce_scatter"], moved["all_gather"], moved["all_reduce"]
-    # one unit throughout, elements moved in the ring model: an all-reduce of n elements moves 2n (zerokit.comm)
+    # what is added up is volume (elements moved in the ring model, zerokit.comm): a reduce-scatter or an
+    # all-gather of n elements moves n, an all-reduce of n moves 2n; each call is named by its elements
     extra = (f"; besides, an all-reduce of {flags} flags (one per parameter: which got a gradient on any rank), "
-             f"2 x {flags} = {2 * flags} elements, {rs + ag + 2 * flags} in all" if flags else "")
-    passed(f"per step on {world_size} ranks: reduce-scatter {rs} + all-gather {ag} = {rs + ag} elements ≈ 2Ψ "
-           f"(Ψ = {psi}, plus the padding), no all-reduce of the gradient{extra}")
+             f"volume 2 x {flags} = {2 * flags}: {rs + ag + 2 * flags} in all" if flags else "")
+    passed(f"per step on {world_size} ranks: a reduce-scatter of {rs} and an all-gather of {ag} elements, volume "
+           f"{rs} + {ag} = {rs + ag} ≈ 2Ψ (Ψ = {psi}, plus the padding), no all-reduce of the gradient{extra}")
 
 
 # ---------------------------------------------------------------------------------------
@@ -508,14 +530,33 @@ def _unused_backward(net, step, name, world_size, rank=None):
         (loss / world_size if rank is None else loss).backward()
 
 
-def _unused_hint(name, step, history, world_size, before, after, expected):
-    """The cause of a wrong parameter after `step`, where the presence of its gradient explains it."""
+def _stuck(before, after, expected):
+    """The elements AdamW moved (by more than rounding could hide) that the student's step left exactly as
+    they were: a skipped update, whatever the tolerance of the comparison."""
+    return (after == before) & ((expected - before).abs() > 1e-7 + 1e-5 * before.abs())
+
+
+def _unused_hint(name, step, history, world_size, before, after, expected, mean_grad, weight_decay):
+    """The cause of a wrong parameter after `step`, where the presence of its gradient explains it.
+    mean_grad: AdamW's gradient of this step (the mean over the ranks), None where no rank had one."""
     when = f"step {step + 1}"
     had = history[step][name]
     if not had:
         return (f"{when}: {name} had no gradient on any rank, so AdamW leaves it alone (no weight decay, m and v "
                 "unchanged, no step counted), but your step changed it: skip every parameter that no rank has a "
                 "gradient for")
+    stuck = _stuck(before, after, expected).reshape(-1)
+    zero = mean_grad is not None and bool(stuck.any()) and not bool(mean_grad.reshape(-1)[stuck].any())
+    if len(had) == world_size and zero:
+        where = stuck.nonzero().reshape(-1)
+        return (f"{when}: {name} had a gradient on every rank (a tensor, not None), whose mean is exactly 0 in "
+                f"{int((mean_grad == 0).sum())} of its {mean_grad.numel()} elements, and your step left "
+                f"{where.numel()} of those (elements {int(where[0])}..{int(where[-1])}) exactly as they were, as "
+                "if they had no gradient: a segment whose gradient is all zeros was skipped. Zero is a gradient: "
+                "AdamW still updates those elements (weight decay multiplies them by 1 - lr x weight_decay = "
+                f"{1 - HYPER['lr'] * weight_decay:g} each step, m and v decay, the step count advances). Skip "
+                "only a parameter that no rank has a gradient for (the all-reduced flags), never a segment "
+                "because its gradient is zero")
     if len(had) < world_size and bool(((after == before) & (expected != before)).any()):
         return (f"{when}: {name} had a gradient on rank(s) {', '.join(map(str, had))} of {world_size} only, and some "
                 "of its elements were not updated: it must still be updated (the other ranks add zeros to the "
@@ -566,10 +607,12 @@ def _unused_case(rank, world_size, cls, name, steps, weight_decay, reference):
                 now, want = p.detach(), record["params"][n]
                 if n in history[step] and not history[step][n]:
                     wrong = not torch.equal(now, before[n])  # AdamW leaves it exactly as it was
-                else:
-                    wrong = not torch.allclose(now, want, atol=UNUSED_ATOL, rtol=UNUSED_RTOL)
+                else:  # an element left exactly as it was is a skipped update, however small AdamW's
+                    wrong = not torch.allclose(now, want, atol=UNUSED_ATOL, rtol=UNUSED_RTOL) or \
+                        bool(_stuck(before[n], now, want).any())
                 if wrong:
-                    cause = _unused_hint(n, step, history, world_size, before[n], now, want)
+                    cause = _unused_hint(n, step, history, world_size, before[n], now, want,
+                                         record["grads"].get(n), weight_decay)
                     diff = float((now - want).abs().max())
                     raise AssertionError(f"{cause}\n  parameter {n} after step {step + 1}: max |difference| to "
                                          f"torch.optim.AdamW {diff:.3g}")
@@ -595,11 +638,14 @@ def _unused_cases(rank, world_size, cls, names, steps, weight_decay, references)
     return True
 
 
-def check_unused_parameters(cls, world_size=2, models=("edge", "branch"), weight_decay=0.1, steps=4, timeout=60.0):
+def check_unused_parameters(cls, world_size=2, models=("edge", "branch", "sparse-embed"), weight_decay=0.1, steps=4,
+                            timeout=60.0):
     """Parameters without a gradient, as torch.optim.AdamW treats them: one that no rank has a gradient
     for is left alone (no weight decay, m and v unchanged, no step counted); one that some ranks have
     a gradient for is updated with the mean. "edge" has a layer that is never used; on "branch" the
-    ranks run a branch in turn: all of them, none, all, even ranks only."""
+    ranks run a branch in turn: all of them, none, all, even ranks only; on "sparse-embed" a rank's
+    whole segment of the embedding has a gradient of zeros, which is a gradient: with weight decay,
+    an element left exactly as it was is a skipped update (an optimizer that skips by the values)."""
     __tracebackhide__ = True
     _check_class(cls)
     hyper = {**HYPER, "weight_decay": weight_decay}
