@@ -8,6 +8,9 @@ names the problem, and pass the others: one bug costs its own points only.
 | exercise | defect | fails | message |
 |---|---|---|---|
 | (a) save_shards | every rank gathers and saves everything | memory | "Each rank writes only what it owns" |
+| (a) | every shard copied before writing (all at once, or one at a time) | memory | "copied before being written" |
+| (a) | shapes from p.shape (empty under ZeRO-3 at rest) | numerics (its ZeRO-3 run) | "you recorded p.shape" |
+| (a) | one step count for every parameter, or per bucket | numerics, hidden (branch) | "one step count" |
 | (a) | offsets counted across buckets | numerics | "runs past the bucket" (the loader refuses it) |
 | (a) | the tensors written in reverse order | numerics | "They are the saved v (exp_avg_sq)", no layout hint |
 | (a) | hands the work to zerokit's save_shards | numerics, memory | "zerokit's own" |
@@ -54,9 +57,15 @@ def notebook_code(folder, grade_ids):
 SOLUTION = notebook_code("solutions", ["save_shards", "shard_reads", "consolidate", "answers"])
 STUDENT = notebook_code("lessons", ["save_shards", "shard_reads", "consolidate"])  # its answers cell raises
 
+def _visible_numerics(fn):
+    """The visible numerics cell: ZeRO-2 and ZeRO-3, saved on 2 ranks, loaded on 3."""
+    lesson07.check_numerics(fn, world_size=2, load_world_size=3, model="mlp")
+    lesson07.check_numerics(fn, world_size=2, load_world_size=3, model="mlp", stage="zero3")
+
+
 SAVE_CHECKS = {
-    "numerics": lambda fn: lesson07.check_numerics(fn, world_size=2, load_world_size=3, model="mlp"),
-    "memory": lambda fn: lesson07.check_memory(fn, world_size=2, model="wide-mlp"),
+    "numerics": _visible_numerics,
+    "memory": lambda fn: lesson07.check_memory(fn, world_size=2, model="deep-mlp"),
 }
 RESHARD_CHECKS = {"reshard": lambda fn: lesson07.check_reshard_map(fn, world_size=2, load_world_size=3)}
 CONSOLIDATE_CHECKS = {
@@ -97,21 +106,62 @@ M_FIRST = _solution_with("save_shards", "for kind in ckpt.TENSORS])", "for kind 
 CALLS_ZEROKIT_SAVE = '''def save_shards(directory, model, opt):
     return ckpt.save_shards(directory, model, opt)
 '''
-(EveryRankSavesEverything, OffsetsAcrossBuckets, MFirst, CallsZerokitSave) = _defects(
-    [examples.EVERY_RANK_SAVES_EVERYTHING, OFFSETS_ACROSS_BUCKETS, M_FIRST, CALLS_ZEROKIT_SAVE], "save_shards")
+COPIES_ONE_AT_A_TIME = _solution_with(  # a generator: write_tensors holds one copy at a time
+    "save_shards", "[getattr(sh, kind) for sh in shards for kind in ckpt.TENSORS]",
+    "(getattr(sh, kind).clone() for sh in shards for kind in ckpt.TENSORS)")
+STEP_PER_BUCKET = _solution_with("save_shards", '"step": step}', '"step": max(sh.steps)}  # BUG: one per bucket')
+(EveryRankSavesEverything, OffsetsAcrossBuckets, MFirst, CallsZerokitSave, CopiesShards, CopiesOneAtATime,
+ ShapeFromParam, OneStepCount, StepPerBucket) = _defects(
+    [examples.EVERY_RANK_SAVES_EVERYTHING, OFFSETS_ACROSS_BUCKETS, M_FIRST, CALLS_ZEROKIT_SAVE,
+     examples.COPIES_SHARDS(_solution("save_shards")), COPIES_ONE_AT_A_TIME,
+     examples.SHAPE_FROM_PARAM(_solution("save_shards")), examples.ONE_STEP_COUNT(_solution("save_shards")),
+     STEP_PER_BUCKET], "save_shards")
 
 SAVE_DEFECTS = [
     (EveryRankSavesEverything, {"memory": "Each rank writes only what it owns"}),
     (OffsetsAcrossBuckets, {"numerics": "runs past the bucket"}),
     (MFirst, {"numerics": "They are the saved v (exp_avg_sq)"}),
     (CallsZerokitSave, {"numerics": "zerokit's own", "memory": "zerokit's own"}),
+    (CopiesShards, {"memory": "the shards were copied before being written"}),
+    (ShapeFromParam, {"numerics": "you recorded p.shape, and under ZeRO-3 a parameter is empty at rest"}),
+    (OneStepCount, {}),  # the visible runs train every layer every step: the hidden branch run catches it
 ]
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("fn, expected", SAVE_DEFECTS, ids=["everything", "offsets", "m_first", "zerokit"])
+@pytest.mark.parametrize("fn, expected", SAVE_DEFECTS, ids=["everything", "offsets", "m_first", "zerokit", "copies",
+                                                            "p_shape", "one_step"])
 def test_save_defects_fail_exactly_their_checks(fn, expected, capsys):
     fails_exactly(SAVE_CHECKS, fn, expected, capsys)
+
+
+@pytest.mark.timeout(90)
+def test_a_layer_that_sat_out_a_step_needs_its_own_step_count(capsys):
+    """The hidden run: BranchNet's branch skips step 2 before the save, so its step counts are one
+    fewer; one count for every parameter (or per bucket: ZeRO-1 has one) is told so."""
+    hidden = dict(world_size=2, load_world_size=4, model="branch", stage="zero1")
+    lesson07.check_numerics(SOLUTION.save_shards, **hidden)
+    assert "branch" in capsys.readouterr().out
+    for fn in (OneStepCount, StepPerBucket):
+        reason = fails(lesson07.check_numerics, fn, **hidden, match="one step count for the whole bucket")
+        assert "branch.bias, branch.weight sat out a step" in reason, reason
+    # ZeRO-2's two buckets, the branch sharing one with the output layer: one count for every parameter
+    fails(lesson07.check_numerics, OneStepCount, world_size=2, load_world_size=3, model="branch",
+          match="one step count for every parameter")
+
+
+@pytest.mark.timeout(90)
+def test_the_memory_check_measures_the_peak_not_the_bytes_written(capsys):
+    """A copy of every shard writes the same file and the same bytes; only the peak tells it (about 0
+    for the solution, the whole state for the copy)."""
+    import re
+
+    lesson07.check_memory(SOLUTION.save_shards, world_size=2, model="deep-mlp")
+    said = capsys.readouterr().out
+    solution_peak = float(re.search(r"peak memory up by at most ([\d.]+) MiB", said).group(1))
+    reason = fails(lesson07.check_memory, CopiesShards, world_size=2, model="deep-mlp", match="copied before")
+    copy_peak, shards = map(float, re.search(r"rose by ([\d.]+) MiB \(its shards: ([\d.]+) MiB", reason).groups())
+    assert solution_peak < 0.1 and copy_peak > 0.9 * shards, (said, reason)
 
 
 @pytest.mark.timeout(90)
@@ -233,9 +283,15 @@ def test_untouched_student_notebook_fails_every_check():
 @pytest.mark.timeout(90)
 def test_hidden_configurations_catch_the_same_bugs():
     """N = 3 -> 2 and 2 -> 4, on models the visible tests do not use."""
-    fails(lesson07.check_numerics, MFirst, world_size=3, load_world_size=2, model="nested",
+    fails(lesson07.check_numerics, MFirst, world_size=3, load_world_size=2, model="awkward",
           stage="zero3", match="differ from what was saved")
-    fails(lesson07.check_memory, EveryRankSavesEverything, world_size=3, model="nested", stage="zero3",
+    fails(lesson07.check_numerics, ShapeFromParam, world_size=3, load_world_size=2, model="awkward",
+          stage="zero3", match="you recorded p.shape")
+    fails(lesson07.check_memory, EveryRankSavesEverything, world_size=3, model="deep-mlp", stage="zero3",
           match="Each rank writes only what it owns")
-    fails(lesson07.check_consolidate, KeepsPadding, world_size=3, model="transformer", stage="zero2",
+    fails(lesson07.check_memory, CopiesOneAtATime, world_size=3, model="deep-mlp", stage="zero3",
+          match="copied before being written")
+    fails(lesson07.check_consolidate, KeepsPadding, world_size=3, model="edge", stage="zero2",
           match="differs from the saved weights")
+    fails(lesson07.check_consolidate, DuplicatesTied, world_size=3, model="edge", stage="zero2",
+          match="is a copy of")

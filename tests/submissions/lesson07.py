@@ -3,11 +3,12 @@
 Points: test_save_numerics 3, test_save_memory 2 (exercise a), test_reshard_map 3 (exercise b),
 test_consolidate 3, test_consolidate_memory 2 (exercise c), test_answers 2. Each exercise is
 graded with zerokit's versions of the others, so a defect costs only its own exercise's checks:
-the issue's defects (every rank saves everything; a resharding map off by the padding; a
-consolidation that keeps the padding, or duplicates a tied weight) each cost one check.
+the issue's defects (every rank saves everything; one step count for every parameter; shapes
+from p.shape, empty under ZeRO-3; shards copied before writing; a resharding map off by the
+padding; a consolidation that keeps the padding, or duplicates a tied weight) each cost one check.
 """
 
-from . import SOLUTION, Student, correct, full_marks, untouched
+from . import SOLUTION, Student, correct, full_marks, solution_with, untouched
 
 LESSON = "07_checkpoints"
 KEEP = ("import zerokit",)  # the imports cell (it also picks the forkserver launcher)
@@ -87,6 +88,15 @@ def _duplicates_tied(solution):
     return solution.replace(old, "state[alias] = state[name].clone()  # BUG: a second copy of a tied weight")
 
 
+# One Adam step count for the whole optimizer: right until a layer sits out a step (the
+# hidden test's branch), then the resumed run's bias correction uses the wrong count.
+ONE_STEP_COUNT = solution_with('"step": step}', '"step": max(max(s.steps) for s in shards)}  # BUG: one count')
+# Shapes read from the parameters: under ZeRO-3 a parameter is empty at rest ([0]).
+SHAPE_FROM_PARAM = solution_with('"shape": list(shape)', '"shape": list(p.shape)')  # BUG: empty under ZeRO-3
+# Every shard copied before writing: the right file, and a copy of the rank's whole state in memory.
+COPIES_SHARDS = solution_with("[getattr(sh, kind) for sh", "[getattr(sh, kind).clone() for sh")  # BUG: a copy
+
+
 def _with(**cells):
     return {**dict.fromkeys(EXERCISES, SOLUTION), **cells}
 
@@ -97,6 +107,15 @@ STUDENTS = [
     Student("every_rank_saves_everything", "save_shards gathers the whole state and writes it on every rank",
             {**FULL, "test_save_memory": 0}, reason="Each rank writes only what it owns",
             cells=_with(save_shards=EVERY_RANK_SAVES_EVERYTHING)),
+    Student("one_step_count", "save_shards records one Adam step count for every parameter, though a layer "
+            "that sat out a step has taken fewer", {**FULL, "test_save_numerics": 0}, reason="one step count",
+            cells=_with(save_shards=ONE_STEP_COUNT)),
+    Student("shape_from_param", "save_shards records p.shape, empty under ZeRO-3 at rest",
+            {**FULL, "test_save_numerics": 0}, reason="you recorded p.shape",
+            cells=_with(save_shards=SHAPE_FROM_PARAM)),
+    Student("copies_shards", "save_shards writes a clone of every shard: the right file, a copy of the state in "
+            "memory", {**FULL, "test_save_memory": 0}, reason="copied before being written",
+            cells=_with(save_shards=COPIES_SHARDS)),
     Student("reshard_off_by_padding", "shard_reads cuts shards of numel // N elements (off by the padding)",
             {**FULL, "test_reshard_map": 0}, reason="expected",
             cells=_with(shard_reads=OFF_BY_PADDING)),

@@ -49,6 +49,22 @@ STUDENTS = [
                         "        if in_backward():  # BUG: _send frees the unit, but it also sends\n"
                         "            for bi in self._buckets_of_unit[u]:\n                self._send(bi)\n"
                         "            return\n")),
+    Student("frees_root_in_recompute", "_post_forward frees the root unit in a recomputation ('the block does not "
+            "need it'): awkward's root owns the tied embedding, whose gradient is still to come",
+            {**FULL, "test_recompute_memory": 0}, reason="had freed the root unit's embed.weight",
+            cells=_with("recomputing_zero3",
+                        "        if in_backward():  # keep u for its backward (_send frees it); its outputs get no "
+                        "gradient\n            return\n",
+                        "        if in_backward():  # BUG: the root is not needed by the recomputed block\n"
+                        "            for bi in self._buckets_of_unit[0]:\n                self._free(bi)\n"
+                        "            return\n")),
+    Student("forgets_one_release", "the disk step releases the windows of master and m, not of v: one file "
+            "(16 MiB) stays resident", {**FULL, "test_offload_memory": 0},
+            reason="you released master and exp_avg, not exp_avg_sq",
+            cells=_with("disk_adam_step",
+                        "        for t in (master, exp_avg, exp_avg_sq):\n            t.release(a, b)",
+                        "        for t in (master, exp_avg):  # BUG: v's windows are never released\n"
+                        "            t.release(a, b)")),
     Student("loads_whole_state", "the disk step takes the whole shard as one chunk: right numbers, the whole "
             "state in memory", {**FULL, "test_offload_memory": 0}, reason="the state was brought into memory",
             cells=_with("disk_adam_step", "    for a in range(0, n, chunk_numel):\n        b = min(a + chunk_numel, n)",

@@ -25,7 +25,10 @@ zerokit's own recompute handling refuses to run for the student's code):
 - check_recompute_memory  `_post_forward` in forward (zerokit's `_pre_forward`): every unit
                           but the root freed right after its forward although its block is
                           checkpointed, every parameter empty and the model state 12 Psi/N at
-                          rest, and the saved activations of a block are its input only;
+                          rest (after an eval forward under no_grad too), and the saved
+                          activations of a block are its input only; model="awkward": a root
+                          unit that owns a tied embedding stays gathered from its forward to
+                          the end of backward, recomputations included;
 - check_recompute_traffic `_post_forward` in a recomputation (zerokit's `_pre_forward`): each
                           bucket reduce-scattered once and gathered at most twice per step: a
                           recomputed unit stays gathered for the backward that follows.
@@ -37,8 +40,9 @@ weights into `half`:
 - check_offload_numerics  master, m and v (read back from the files) and the 16-bit weights
                           equal torch.optim.AdamW's after each of 3 steps, on 2 ranks;
 - check_offload_memory    on a 4 Mi-element shard (48 MiB of state on disk), the peak resident
-                          memory of the rank during the step rises by at most 16 MiB, not by
-                          the state (the kernel's high-water mark, /proc/self/clear_refs).
+                          memory of the rank during the step rises by at most 12 MiB, not by
+                          the state (the kernel's high-water mark, /proc/self/clear_refs), and
+                          none of the three files keeps its pages resident after the step.
 """
 
 import gc
@@ -61,6 +65,29 @@ from .kit import adamw_reference, assert_adam_shards, bucket_label, check_class,
 
 __all__ = ["check_saved_bytes", "check_saved_views", "check_recompute", "check_recompute_memory",
            "check_recompute_traffic", "check_offload_numerics", "check_offload_memory", "reference_saved_bytes"]
+
+_HOOKS_ONLY = ("n/a: the hooks decide when a unit is gathered and freed; which parameters train, and how "
+               "gradients reach the buckets, is zerokit's ZeRO-3 (lesson 05), given here")
+# which of kit.SITUATIONS the hidden tests meet (tests/test_situations.py holds this to them)
+SITUATIONS = {
+    "root-params": "check_recompute_memory: awkward",  # the root owns the tied embedding: gathered until backward ends
+    "tuple-output": "check_recompute_memory: awkward",  # attn returns a tuple, mix a dict (checkpointed both)
+    "tied": "check_recompute_memory: awkward",
+    "eval-no-grad": "check_recompute_memory",  # after the steps, an eval forward under no_grad: nothing full
+    "zero3": "check_recompute",  # exercise 2 is ZeRO-3's hooks (every check of it)
+    "n3": "check_recompute: world_size=3",
+    "zero-grad-shard": "check_offload_numerics: world_size=3",  # the last rank's gradient is zeros on step 2
+    "peak-memory": "check_offload_memory",  # the kernel's high-water mark during the step
+    "frozen": _HOOKS_ONLY,
+    "unused": _HOOKS_ONLY,
+    "out-of-order": _HOOKS_ONLY,
+    "sits-out": "n/a: a unit that sits out a step runs no hook; its step count is zerokit's (the disk step is "
+                "handed one step number for its whole shard)",
+    "subgroup": "n/a: the hooks gather and free through zerokit's ZeRO-3 in its group; the disk step is one "
+                "rank's own shard, with no collective",
+    "fp16-scale": "n/a: the disk step receives the fp32 mean gradient, already unscaled; the hooks move "
+                  "weights, not gradients",
+}
 
 MiB = 2**20
 
@@ -218,6 +245,11 @@ def check_saved_views(fn, seed=0, timeout=60.0):
 # exercise 2: recomputation under ZeRO-3
 
 MODEL = "transformer"
+# per model, the modules whose forward is checkpointed: the transformer's blocks (the units inside
+# them recomputed); awkward's attn (returns a tuple) and mix (a dict), between the tied embedding
+# and head that its root unit owns (gathered from the start of forward to the end of backward)
+CHECKPOINTED = {"transformer": lambda net: {f"blocks.{i}": b for i, b in enumerate(net.blocks)},
+                "awkward": lambda net: {"attn": net.attn, "mix": net.mix}}
 HYPER = dict(lr=1e-2, weight_decay=0.1, eps=1e-6)  # eps 1e-6: see zerokit.grading.lesson05
 PER_RANK = 2
 STEPS = 3
@@ -259,11 +291,11 @@ def _validate_hooks(cls):
                 written_in=(ZeRO3Adam,))
 
 
-def _setup(cls, graded):
-    model = build_model(MODEL)
+def _setup(cls, graded, model_name):
+    model = build_model(model_name)
     opt = _graded(cls, graded)(model, **HYPER)
     opt.gather_log, opt.send_log = [], []
-    checkpoint_modules(model.blocks)
+    checkpoint_modules(CHECKPOINTED[model_name](model).values())
     names = {p: n for n, p in model.named_parameters()}
     return model, opt, names
 
@@ -273,11 +305,15 @@ def _is_shape_error(exc):
         "must be 2-D", "shape", "size", "storage of size 0", "mat1", "normalized_shape", "out of bounds"))
 
 
-def _train_step(model, opt, step, rank, world_size):
-    x, y = global_batch(MODEL, step, world_size * PER_RANK)
-    x, y = x[rank * PER_RANK:(rank + 1) * PER_RANK], y[rank * PER_RANK:(rank + 1) * PER_RANK]
+def _rank_batch(model_name, step, rank, world_size):
+    x, y = global_batch(model_name, step, world_size * PER_RANK)
+    return x[rank * PER_RANK:(rank + 1) * PER_RANK], y[rank * PER_RANK:(rank + 1) * PER_RANK]
+
+
+def _train_step(model, opt, step, rank, world_size, model_name):
+    x, y = _rank_batch(model_name, step, rank, world_size)
     try:
-        loss = model_loss(MODEL, model(x), y)
+        loss = model_loss(model_name, model(x), y)
     except RuntimeError as exc:
         if _is_shape_error(exc):
             raise AssertionError(f"step {step + 1}: forward failed ({str(exc).splitlines()[0]}): a unit ran with "
@@ -294,12 +330,12 @@ def _train_step(model, opt, step, rank, world_size):
         raise
 
 
-def _numerics_case(rank, world_size, cls, reference):
-    model, opt, names = _setup(cls, "pre")
+def _numerics_case(rank, world_size, cls, reference, model_name):
+    model, opt, names = _setup(cls, "pre", model_name)
     with refusing(*_REFUSE_RECOMPUTE):
         for step, record in enumerate(reference):
             opt.gather_log.clear()
-            _train_step(model, opt, step, rank, world_size)
+            _train_step(model, opt, step, rank, world_size, model_name)
             in_bwd = [bi for backward, bi in opt.gather_log if backward]
             twice = sorted({bi for bi in in_bwd if in_bwd.count(bi) > 1})
             if twice:
@@ -318,19 +354,35 @@ def _numerics_case(rank, world_size, cls, reference):
     return len(opt.buckets)
 
 
-def _memory_case(rank, world_size, cls):
+def _memory_case(rank, world_size, cls, model_name):
     gc.collect()
     before = census()["total"]
-    model, opt, names = _setup(cls, "post")
+    model, opt, names = _setup(cls, "post", model_name)
     problems, peak = [], [0]
     units = {m: n or "(root)" for n, m in model.named_modules()}
     shard_bytes = 4 * sum(b.shard_numel for b in opt.buckets)
+    root = [p for bi in opt._buckets_of_unit[0] for p in opt.buckets[bi].params]  # a tied embedding, say
+
+    def root_freed():
+        return next((names[p] for p in root if not p.numel()), None)
 
     def post(module, args, output, u):
-        if in_backward():
+        if problems:
             return
+        if in_backward():  # a recomputation runs in the middle of the backward that needs the root
+            if root_freed():
+                problems.append(f"during backward, after the recomputed forward of {units[module]}, your _post_forward "
+                                f"had freed the root unit's {root_freed()}: a recomputation frees nothing, and the "
+                                "root stays gathered until backward ends (gradients still to come land in its "
+                                "parameters; _send and the end of backward free it)")
+            return
+        if u == 0 and torch.is_grad_enabled() and root_freed():
+            problems.append(f"right after the forward, your _post_forward freed the root unit's {root_freed()} "
+                            "although backward comes: free every unit but the root, which stays gathered until "
+                            "backward ends (its parameters, here a tied embedding, get gradients from the first "
+                            "backward and the last)")
         full = [names[p] for bi in opt._buckets_of_unit[u] for p in opt.buckets[bi].params if p.numel()]
-        if u != 0 and full and not problems:
+        if u != 0 and full:
             problems.append(f"right after {units[module]}'s forward, {full[0]} still held its full weights: free "
                             "every unit after its forward, also inside a checkpointed block; backward's "
                             "recomputation gathers it again when it needs it")
@@ -339,11 +391,19 @@ def _memory_case(rank, world_size, cls):
 
     for u, unit in enumerate(opt.units):  # after the optimizer's hooks: they see what its hook left
         unit.register_forward_hook(lambda m, a, o, u=u: post(m, a, o, u))
-    layers = {f"blocks.{i}": blk for i, blk in enumerate(model.blocks)}
+    layers = CHECKPOINTED[model_name](model)
+    inputs = {}  # each checkpointed module's input, in bytes: all that it may save
+    for name, layer in layers.items():
+        layer.register_forward_pre_hook(lambda m, a, name=name: inputs.__setitem__(name, sum(
+            t.untyped_storage().nbytes() for t in a if isinstance(t, torch.Tensor))))
     with refusing(*_REFUSE_RECOMPUTE):
         for step in range(2):
             with SavedActivations(model, layers) as acts:
-                _train_step(model, opt, step, rank, world_size)
+                try:
+                    _train_step(model, opt, step, rank, world_size, model_name)
+                except Exception:  # what the hooks saw first is the cause (a root freed mid-backward crashes later)
+                    if not problems:
+                        raise
             if problems:
                 raise AssertionError(f"step {step + 1}: {problems[0]}")
             opt.step()
@@ -352,9 +412,18 @@ def _memory_case(rank, world_size, cls):
             if kept:
                 raise AssertionError(f"after step {step + 1}, {kept[0]} is full: between steps every parameter must "
                                      "be empty, only this rank's shard kept")
-    block_input = 4 * PER_RANK * model.seq_len * model.blocks[0].norm1.normalized_shape[0]
+        model.eval()  # an evaluation: no backward comes, so nothing may stay gathered, the root included
+        with torch.no_grad():
+            model(_rank_batch(model_name, 2, rank, world_size)[0])
+        model.train()
+        kept = [n for n, p in model.named_parameters() if p.requires_grad and p.numel()]
+        if problems or kept:
+            raise AssertionError(problems[0] if problems else
+                                 f"after an eval forward under torch.no_grad(), {kept[0]} is still full: with no "
+                                 "backward coming, every unit is freed after its forward, the root too")
     saved = [acts.per_layer[n] for n in layers]
-    if any(s != block_input for s in saved):
+    block_input = [inputs[n] for n in layers]
+    if saved != block_input:
         raise AssertionError(f"each checkpointed block saved {saved} bytes; its input alone is {block_input}")
     gc.collect()
     grown = census(model, opt)["total"] - before
@@ -362,23 +431,26 @@ def _memory_case(rank, world_size, cls):
     if grown > 3 * shard_bytes + max(2048, psi):
         raise AssertionError(f"between steps this rank holds {grown} bytes of model state; its shards with Adam's m "
                              f"and v are {3 * shard_bytes}: something keeps full-size buffers alive")
-    sizes = sorted((4 * b.padded_numel for b in opt.buckets), reverse=True)
-    bound = shard_bytes + sum(sizes[:2])
+    root_bytes = sum(4 * opt.buckets[bi].padded_numel for bi in opt._buckets_of_unit[0])
+    sizes = sorted((4 * opt.buckets[bi].padded_numel for u in range(1, len(opt.units))
+                    for bi in opt._buckets_of_unit[u]), reverse=True)
+    bound = shard_bytes + root_bytes + sum(sizes[:2])
     if peak[0] > bound:
-        raise AssertionError(f"inside forward this rank held up to {peak[0]} bytes of parameters; its shards and two "
-                             f"units (the one computing, the one prefetched) are at most {bound}; a full copy is "
-                             f"{4 * psi}: units are gathered and not freed")
-    return {"peak": peak[0], "bound": bound, "psi": psi, "saved": saved, "block_input": block_input}
+        raise AssertionError(f"inside forward this rank held up to {peak[0]} bytes of parameters; its shards, the root "
+                             f"unit and two units (the one computing, the one prefetched) are at most {bound}; a full "
+                             f"copy is {4 * psi}: units are gathered and not freed")
+    return {"peak": peak[0], "bound": bound, "psi": psi, "saved": saved, "block_input": block_input,
+            "root": [names[p] for p in root]}
 
 
-def _traffic_case(rank, world_size, cls):
-    model, opt, names = _setup(cls, "post")
+def _traffic_case(rank, world_size, cls, model_name):
+    model, opt, names = _setup(cls, "post", model_name)
     rows = []
     with refusing(*_REFUSE_RECOMPUTE):
         for step in range(2):
             opt.gather_log.clear(), opt.send_log.clear()
             with CommCounter() as comm:
-                _train_step(model, opt, step, rank, world_size)
+                _train_step(model, opt, step, rank, world_size, model_name)
             sends = [opt.send_log.count(bi) for bi in range(len(opt.buckets))]
             if comm.count("reduce_scatter") != len(opt.buckets) or any(n != 1 for n in sends):
                 bi = max(range(len(sends)), key=sends.__getitem__) if max(sends) > 1 else sends.index(min(sends))
@@ -401,40 +473,46 @@ def _traffic_case(rank, world_size, cls):
     return {"rows": rows, "psi": sum(b.numel for b in opt.buckets)}
 
 
-def check_recompute(cls, world_size=2, timeout=60.0):
+def check_recompute(cls, world_size=2, model=MODEL, timeout=60.0):
     """_pre_forward under recomputation: checkpointed blocks train exactly like AdamW on one
     process (the recomputation ran on full parameters), and no unit is gathered twice in backward."""
     __tracebackhide__ = True
     _validate_hooks(cls)
-    ref = adamw_reference(MODEL, STEPS, HYPER, _whole_batch, (MODEL, world_size), timeout=timeout)
-    n = run_on_ranks(_numerics_case, world_size, args=(cls, ref), what=f"{cls.__name__} on {MODEL}",
+    ref = adamw_reference(model, STEPS, HYPER, _whole_batch, (model, world_size), timeout=timeout)
+    n = run_on_ranks(_numerics_case, world_size, args=(cls, ref, model), what=f"{cls.__name__} on {model}",
                      timeout=timeout)[0]
-    passed(f"{cls.__name__} with checkpointed blocks matches torch.optim.AdamW on {world_size} ranks ({MODEL}, "
+    passed(f"{cls.__name__} with checkpointed blocks matches torch.optim.AdamW on {world_size} ranks ({model}, "
            f"{n} units, most inside the blocks): weights, m and v after each of {STEPS} steps; the recomputation "
            "found its units full and gathered nothing else")
 
 
-def check_recompute_memory(cls, world_size=2, timeout=60.0):
-    """_post_forward in forward: every unit freed right after its forward although its block is
-    checkpointed; parameters empty and model state 12 Psi/N at rest; each block keeps its input only."""
+def check_recompute_memory(cls, world_size=2, model=MODEL, timeout=60.0):
+    """_post_forward in forward: every unit but the root freed right after its forward although its
+    block is checkpointed, the root kept until backward ends (model="awkward": a root that owns a tied
+    embedding); parameters empty and model state 12 Psi/N at rest, after an eval forward under
+    no_grad too; each block keeps its input only."""
     __tracebackhide__ = True
     _validate_hooks(cls)
-    r = run_on_ranks(_memory_case, world_size, args=(cls,), what=f"{cls.__name__} on {MODEL}", timeout=timeout)[0]
+    r = run_on_ranks(_memory_case, world_size, args=(cls, model), what=f"{cls.__name__} on {model}",
+                     timeout=timeout)[0]
+    root = f"; the root unit ({', '.join(r['root'])}) kept until backward ends" if r["root"] else ""
     passed(f"{cls.__name__} frees every unit after its forward with checkpointed blocks on {world_size} ranks "
-           f"({MODEL}, Ψ = {r['psi']}): parameter bytes inside forward at most {r['peak']} (bound {r['bound']}), "
-           f"each block saved {r['block_input']} bytes, its input")
+           f"({model}, Ψ = {r['psi']}){root}: parameter bytes inside forward at most {r['peak']} (bound "
+           f"{r['bound']}), each block saved {r['block_input']} bytes, its input; nothing full at rest, after an "
+           "eval forward under no_grad too")
 
 
-def check_recompute_traffic(cls, world_size=2, timeout=60.0):
+def check_recompute_traffic(cls, world_size=2, model=MODEL, timeout=60.0):
     """_post_forward in a recomputation: each bucket reduce-scattered once and all-gathered at
     most twice per step: the recomputation costs no communication."""
     __tracebackhide__ = True
     _validate_hooks(cls)
-    r = run_on_ranks(_traffic_case, world_size, args=(cls,), what=f"{cls.__name__} on {MODEL}", timeout=timeout)[0]
+    r = run_on_ranks(_traffic_case, world_size, args=(cls, model), what=f"{cls.__name__} on {model}",
+                     timeout=timeout)[0]
     last = r["rows"][-1]
     passed(f"{cls.__name__} with checkpointed blocks communicates {last['gathers']} (all-gather) + "
            f"{last['reduce_scatters']} (reduce-scatter) = {(last['gathers'] + last['reduce_scatters']) / r['psi']:.2f}Ψ "
-           f"per step on {world_size} ranks ({MODEL}, Ψ = {r['psi']}): no more than without recomputation")
+           f"per step on {world_size} ranks ({model}, Ψ = {r['psi']}): no more than without recomputation")
 
 
 # ---------------------------------------------------------------------------------------
@@ -453,12 +531,18 @@ def _shard_data(rank, numel, steps):
 
 
 def _files(folder, numel, init, prefix=""):
+    # m and v written as zeros, not left as holes: on a tmpfs (the sandbox's /tmp) a read of a hole
+    # maps pages that release(a, b) leaves resident (about 5 pages per window), which is the
+    # kernel's doing, not the step's
+    zeros = torch.zeros(numel)
     return [DiskTensor(os.path.join(folder, f"{prefix}{name}.f32"), numel, init=t)
-            for name, t in (("master", init), ("exp_avg", None), ("exp_avg_sq", None))]
+            for name, t in (("master", init), ("exp_avg", zeros), ("exp_avg_sq", zeros))]
 
 
 def _offload_numerics_case(rank, world_size, fn, numel, chunk, steps):
     weights, grads = _shard_data(rank, numel, steps)
+    if rank == world_size - 1 and steps > 1:  # a shard whose whole gradient is zero (rows no batch used):
+        grads[1] = torch.zeros(numel)  # AdamW still steps it (m, v decay; weight decay), nothing is skipped
     expected = []
     with torch_adam_allowed():  # the reference, before any of the student's code runs here
         p = torch.nn.Parameter(weights.clone())
@@ -475,9 +559,14 @@ def _offload_numerics_case(rank, world_size, fn, numel, chunk, steps):
         half = weights.to(torch.bfloat16)
         with refusing(*_REFUSE_OFFLOAD):
             for step, (g, (w, em, ev)) in enumerate(zip(grads, expected)):
+                m_before = m.read() if not g.any() else None
                 fn(master, m, v, g, half, step + 1, chunk_numel=chunk, **OFFLOAD_HYPER)
                 when = f"after step {step + 1}"
                 got_m, got_v = m.read(), v.read()
+                if m_before is not None and torch.equal(got_m, m_before):
+                    raise AssertionError(f"{when}: this rank's gradient was all zeros and your step left m unchanged: "
+                                         "a zero gradient is still a step (m and v decay, weight decay and the "
+                                         "momentum move the weights); skip nothing")
                 if not got_m.any():
                     raise AssertionError(f"{when}: m in its file is still all zeros: the step updated a copy of the "
                                          "chunk (clone, .read(), torch.tensor(...)), not the view of the mapping "
@@ -492,6 +581,22 @@ def _offload_numerics_case(rank, world_size, fn, numel, chunk, steps):
         for t in (master, m, v):
             t.close()
     return numel
+
+
+def _resident_file_bytes(path):
+    """Bytes of the file at `path` resident in this process: the Rss of its mappings (/proc/self/smaps)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            fields = line.split(None, 5)
+            if "-" in fields[0] and not fields[0].endswith(":"):  # a mapping's first line: address range ... path
+                inside = len(fields) == 6 and fields[5].rstrip("\n") == path
+            elif inside and fields[0] == "Rss:":
+                total += int(fields[1]) * 1024
+    return total
+
+
+OFFLOAD_FILES = ("master", "exp_avg", "exp_avg_sq")
 
 
 def _offload_memory_case(rank, world_size, fn, numel, chunk):
@@ -515,15 +620,26 @@ def _offload_memory_case(rank, world_size, fn, numel, chunk):
             raise AssertionError("this machine gives no peak resident memory (/proc/self/status, clear_refs): "
                                  "the check needs Linux")
         rise = peak.bytes
+        # what each file still has in memory: release(a, b) leaves none of a window behind
+        left = {name: _resident_file_bytes(t.path) for name, t in zip(OFFLOAD_FILES, (master, m, v))}
         changed = not torch.equal(half, before)
         for t in (master, m, v):
             t.close()
-    state = 3 * 4 * numel
-    # a correct step rises by 0.5-1.2 MiB, now and then by 8 MiB (a thread of torch's pool started
-    # mid-step: its stack and malloc arena are resident too); the state is 48 MiB: a third of it
-    bound = max(16 * MiB, 16 * 4 * chunk)
+    state, file = 3 * 4 * numel, 4 * numel
+    # a correct step rises by 0.5-1.5 MiB (0.5-0.9 with chunks of 2**15), 10 MiB under the bound; a
+    # file is 16 MiB: one file brought in whole, or copied, is 4 MiB over it
+    bound = max(12 * MiB, 16 * 4 * chunk)
     if not changed:
         raise AssertionError("your step left the weights (half) unchanged: there is no step to measure")
+    kept = [name for name, n in left.items() if n > file // 4]  # a file not released keeps all of it
+    if kept:
+        released = [name for name in OFFLOAD_FILES if name not in kept]
+        which = (f"{kept[0]} still had {left[kept[0]] / MiB:.1f} MiB of its" if len(kept) == 1 else
+                 f"{', '.join(kept)} still had up to {max(left.values()) / MiB:.1f} MiB of their")
+        raise AssertionError(
+            f"after your step {which} {file / MiB:.0f} MiB resident: the windows were used without release(a, b) "
+            "giving the pages back" + (f" (you released {' and '.join(released)}, not {' and '.join(kept)})"
+                                       if released else "") + ": release each window of all three files")
     if rise > bound:
         raise AssertionError(
             f"during your step this rank's resident memory rose by {rise / MiB:.1f} MiB; the state on disk is "
