@@ -68,7 +68,9 @@ PACKAGE = ROOT / "zerokit"
 COURSE_MODULES = {"adam", "ddp", "flat", "zero1", "zero2", "zero3", "mixed_precision", "activations", "offload",
                   "comm", "memory", "models", "reference", "figures", "widgets",
                   # the lessons' stages in PyTorch's shapes (issue 24)
-                  "elementwise", "data_parallel", "fully_shard"}
+                  "elementwise", "data_parallel", "fully_shard",
+                  "muon",  # lesson 09's reference
+                  "train"}  # the capstone's script: the course's pieces in one training job
 # a lesson whose reference needs more than one file gets a package of its own (its __init__
 # is the reference, the rest are its parts)
 COURSE_PACKAGES = {"checkpoint"}

@@ -187,7 +187,8 @@ class ZeRO1Adam(torch.optim.Optimizer):
         for gi in range(first, len(self.param_groups)):
             param_group = self.param_groups[gi]
             trainable = [p for p in param_group["params"] if p.requires_grad]
-            broadcast_parameters(trainable, self.group)
+            # every parameter, frozen ones too: ranks that start apart in a frozen layer stay apart
+            broadcast_parameters(param_group["params"], self.group)
             # lesson 06: frozen parameters compute in 16 bits too, and need no master
             self.precision.cast_parameters_([p for p in param_group["params"] if not p.requires_grad])
             by_dtype = {}  # a flat buffer holds one dtype on one device
