@@ -56,6 +56,10 @@ the student's code, under the same names, plus what only its lesson has:
                           check_recompute_traffic  ... one reduce-scatter, at most two gathers per bucket
                           check_offload_numerics   exercise 3: the disk-streamed Adam step vs AdamW
                           check_offload_memory     ... resident memory rises by chunks, not by the state
+    09 Muon               check_numerics           whole-matrix Muon vs torch.optim.Muon (+ AdamW), momentum too
+                          check_state              momentum only for the matrices a rank owns (~4Ψ/N)
+                          check_traffic            ≤ 2Ψ per step: reduce to the owner, send the matrix back
+                          check_balance            Newton-Schulz work of the busiest rank vs the mean
 
 (The names the notebooks called before, e.g. check_zero1_numerics, check_matches_adamw, and
 the `kind=` argument for `model=`, still work for a term: each module aliases them.)
