@@ -18,7 +18,10 @@ tests/test_bitwise.py holds bitwise to torch.optim.AdamW at N = 2 on the same ba
   transfer is stale and step() reduces the bucket again), with a branch that one rank
   skips in one micro-batch only, so the ranks disagree on which buckets are stale: no
   deadlock, and bitwise equal to the unbucketed run at N = 2;
-- zero_grad() after a backward without a step finishes the transfers it dropped.
+- zero_grad() after a backward without a step finishes the transfers it dropped;
+- bf16 weights with gradients reduced in fp32 (no hooks: the gradients are copied into the
+  fp32 buffer, all in step()) and a backward with create_graph=True (whose gradients the
+  hooks leave alone): the same numbers as without buckets, gradients untouched.
 """
 
 import pytest
@@ -56,7 +59,7 @@ def _lazy_reduce_scatter(real):
     return reduce_scatter
 
 
-def _train(rank, world_size, bucket_mb, same_data, lazy=False, micro=1, kind="edge"):
+def _train(rank, world_size, bucket_mb, same_data, lazy=False, micro=1, kind="edge", bf16=False):
     if lazy:
         zerokit.zero1.reduce_scatter = _lazy_reduce_scatter(zerokit.zero1.reduce_scatter)
     issued = []
@@ -68,7 +71,8 @@ def _train(rank, world_size, bucket_mb, same_data, lazy=False, micro=1, kind="ed
 
     zerokit.zero1.reduce_scatter = recording
     model = build_model(kind)
-    opt = zerokit.ZeRO1Adam(model.parameters(), lr=LR, weight_decay=WD, bucket_mb=bucket_mb)
+    precision = zerokit.MixedPrecision("bf16", reduce_dtype=torch.float32) if bf16 else None
+    opt = zerokit.ZeRO1Adam(model.parameters(), lr=LR, weight_decay=WD, bucket_mb=bucket_mb, precision=precision)
     snaps = []
     for step in range(STEPS):
         x, y = model_batch(kind, BATCH, step)
@@ -80,7 +84,7 @@ def _train(rank, world_size, bucket_mb, same_data, lazy=False, micro=1, kind="ed
             if kind == "branch":  # rank 1 skips the branch in the second micro-batch only
                 out = model(xs, use_branch=not (rank == 1 and k == 1))
             else:
-                out = model(xs)
+                out = model(xs.to(torch.bfloat16) if bf16 else xs).float()
             (model_loss(kind, out, ys) / micro).backward()
         opt.step()
         opt.zero_grad()
@@ -101,9 +105,9 @@ def _reference(rank, world_size, kind):
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _pair(rank, world_size, same_data, lazy=False, micro=1, kind="edge"):
-    return (_train(rank, world_size, None, same_data, micro=micro, kind=kind),
-            _train(rank, world_size, BUCKET_MB, same_data, lazy=lazy, micro=micro, kind=kind))
+def _pair(rank, world_size, same_data, lazy=False, micro=1, kind="edge", bf16=False):
+    return (_train(rank, world_size, None, same_data, micro=micro, kind=kind, bf16=bf16),
+            _train(rank, world_size, BUCKET_MB, same_data, lazy=lazy, micro=micro, kind=kind, bf16=bf16))
 
 
 def _equal(a, b):
@@ -158,3 +162,29 @@ def _dropped(rank, world_size):
 def test_zero_grad_without_a_step_finishes_the_dropped_transfers():
     a, b = run_ranks(_dropped, 2)
     assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+@pytest.mark.timeout(60)
+def test_bf16_with_fp32_reduction_sends_copies_in_step_and_matches():
+    for (plain, _, _), (bucketed, issued, _) in run_ranks(_pair, 2, False, True, 1, "mlp", True):
+        assert _equal(bucketed, plain)
+        assert not any(issued)  # no gradient is a view of an fp32 buffer: nothing leaves during backward
+
+
+def _double_backward(rank, world_size):
+    model = build_model("mlp")
+    opt = zerokit.ZeRO1Adam(model.parameters(), lr=LR, bucket_mb=BUCKET_MB)
+    x, y = model_batch("mlp", BATCH, 0)
+    loss = model_loss("mlp", model(x), y)
+    grads = torch.autograd.grad(loss, list(model.parameters()), create_graph=True)
+    penalty = sum(g.pow(2).sum() for g in grads)  # a gradient penalty: backward through the gradients
+    (loss + penalty).backward(create_graph=True)
+    kept = [p.grad.requires_grad for p in model.parameters()]
+    opt.step()
+    return all(kept), {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.timeout(60)
+def test_create_graph_gradients_are_left_alone_and_still_reduced():
+    (ok0, a), (ok1, b) = run_ranks(_double_backward, 2)
+    assert ok0 and ok1 and all(torch.equal(a[n], b[n]) for n in a)

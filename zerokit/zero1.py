@@ -288,27 +288,30 @@ class ZeRO1Adam(torch.optim.Optimizer):
             self._send_early(self._next_send)
 
     def _send_early(self, i):
-        flat = self._flat_grad(i, keep=True)
+        hooked = self._grad_buffers[i] is not None  # .grad are views of this buffer (else: a copy, made now)
+        flat = self._flat_grad(i)
         shard = torch.empty_like(self.buckets[i].shard(flat))
-        self._early[i] = (reduce_scatter(shard, flat, op=dist.ReduceOp.AVG, group=self.group, async_op=True), shard)
+        work = reduce_scatter(shard, flat, op=dist.ReduceOp.AVG, group=self.group, async_op=True)
+        self._early[i] = (work, shard, flat, hooked)  # the input must outlive the transfer
         self._next_send = i + 1
 
     def _early_shards(self):
-        """Every bucket's reduced shard when backward sent them; None for a bucket to reduce again."""
+        """Every bucket's reduced shard: the transfer backward started, or a new reduce-scatter
+        where a gradient changed after it (on any rank: they must agree, or their collectives differ)."""
         while self._next_send < len(self.buckets):  # what backward could not send, in order
             self._send_early(self._next_send)
-        for i, bucket in enumerate(self.buckets):  # .grad set by hand after its bucket went out
-            views = bucket.views(self._grad_buffers[i])
-            if any(p.grad is not None and p.grad.data_ptr() != v.data_ptr() for p, v in zip(bucket.params, views)):
+        for i, (_work, _shard, flat, hooked) in enumerate(self._early):  # .grad set anew after its bucket left
+            views = self.buckets[i].views(flat) if hooked else ()
+            if any(p.grad is not None and p.grad.data_ptr() != v.data_ptr() for p, v in zip(self.buckets[i].params,
+                                                                                           views)):
                 self._stale[i] = True
         stale = torch.tensor(self._stale, dtype=torch.uint8, device=self.buckets[0].params[0].device)
-        dist.all_reduce(stale, op=dist.ReduceOp.MAX, group=self.group)  # every rank must agree on a resend
+        dist.all_reduce(stale, op=dist.ReduceOp.MAX, group=self.group)
         shards = []
         for i, again in enumerate(stale.tolist()):
-            (work, shard), self._early[i] = self._early[i], None
+            (work, shard, _flat, _hooked), self._early[i] = self._early[i], None
             work.wait()
-            shards.append(self._grad_shard(i) if again else shard)
-            self._grad_buffers[i] = None  # the next backward starts a new buffer; .grad keeps this one
+            shards.append(self._grad_shard(i) if again else shard)  # again: from the accumulated gradients
         self._begin_window()
         return shards
 
@@ -319,19 +322,12 @@ class ZeRO1Adam(torch.optim.Optimizer):
                 self._early[i] = None
         self._begin_window()
 
-    def _flat_grad(self, i, keep=False):
+    def _flat_grad(self, i):
         """Bucket i's gradients in one flat buffer: the views' buffer, completed, or a new copy."""
         bucket, flat = self.buckets[i], self._grad_buffers[i]
-        if not keep:
-            self._grad_buffers[i] = None  # the next backward starts a new buffer; .grad keeps this one
+        self._grad_buffers[i] = None  # the next backward starts a new buffer; .grad keeps this one
         if flat is None:
-            flat = bucket.flatten([p.grad for p in bucket.params], dtype=self.reduce_dtype)
-            if keep:
-                self._grad_buffers[i] = flat
-                for p, view in zip(bucket.params, bucket.views(flat)):
-                    if p.grad is not None:
-                        p.grad = view
-            return flat
+            return bucket.flatten([p.grad for p in bucket.params], dtype=self.reduce_dtype)
         for p, view in zip(bucket.params, bucket.views(flat)):
             if p.grad is None:
                 view.zero_()  # no gradient on this rank counts as zero
