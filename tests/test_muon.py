@@ -12,8 +12,9 @@ count, so the reference runs the way the ranks run), on the zoo's transformer:
   then Newton-Schulz in bfloat16, which rounds a 1e-7 difference to as much as 2^-8 of the
   update), and each rank holds momentum for the matrices it owns only;
 - owners balance Newton-Schulz cost, not element count; a shard boundary's matrices counted;
-- a parameter no rank has a gradient for is left alone; ZeRO1(params, torch.optim.Muon) and
-  a 1-D parameter are refused with a message that says what to use.
+- a parameter no rank has a gradient for is left alone; ZeRO1(params, torch.optim.Muon), a
+  1-D parameter and a checkpoint of ZeRO1Muon's state (its momentum lives on owners, which
+  change with N: not supported yet) are refused with a message that says what to do.
 """
 
 import pytest
@@ -157,14 +158,19 @@ def test_a_matrix_no_rank_has_a_gradient_for_is_left_alone():
     assert torch.equal(results[0][2], results[1][2])
 
 
-def _refusals(rank, world_size):
+def _refusals(rank, world_size, directory):
     with pytest.raises(TypeError, match="ZeRO1Muon"):
         zerokit.ZeRO1(torch.nn.Linear(3, 3).parameters(), torch.optim.Muon)
     with pytest.raises(ValueError, match="2-D parameters only.*ZeRO1Adam"):
         zerokit.ZeRO1Muon(torch.nn.Linear(3, 3).parameters())
+    # a checkpoint would take a wrapped model's state for replicated and keep rank 0's momentum only
+    model = zerokit.DataParallel(torch.nn.Linear(3, 3, bias=False))
+    with pytest.raises(TypeError, match="cannot save or load ZeRO1Muon yet: .* owner rank only"):
+        zerokit.checkpoint.save(directory, model, zerokit.ZeRO1Muon(model.parameters()))
     return True
 
 
 @pytest.mark.timeout(60)
-def test_whole_matrix_optimizers_and_vectors_are_refused_with_what_to_use():
-    assert run_ranks(_refusals, 1) == [True]
+def test_whole_matrix_optimizers_vectors_and_checkpoints_are_refused_with_what_to_use(tmp_path):
+    assert run_ranks(_refusals, 2, tmp_path / "ckpt") == [True, True]
+    assert not (tmp_path / "ckpt").exists()

@@ -41,6 +41,7 @@ from ..ddp import DistributedAdam
 from ..elementwise import ZeRO1, ZeRO2
 from ..flat import FlatBucket
 from ..fully_shard import FullyShard
+from ..muon import ZeRO1Muon
 from ..zero1 import ZeRO1Adam
 from .files import agree
 from .state import (ADAMW, AdamJob, Target, aliases, check_optimizer_class, loss_scaler, parameter_names,
@@ -61,6 +62,10 @@ def job_of(model, opt):
     if not isinstance(opt, torch.optim.Optimizer):
         raise TypeError(f"zerokit.checkpoint saves a model with a torch optimizer (zerokit's included), not with "
                         f"{type(opt).__name__}")
+    if isinstance(opt, ZeRO1Muon):  # else a wrapped model would pass for replicated state, and lose it
+        raise TypeError("zerokit.checkpoint cannot save or load ZeRO1Muon yet: each matrix's momentum lives on its "
+                        "owner rank only, and the owners change with the world size; keep the job's world size and "
+                        "save opt.state_dict() on every rank (its own matrices' momentum) beside the model")
     if isinstance(opt, (DistributedAdam, ZeRO1Adam)):  # the lessons' Adam: saved as lesson 07 saves it
         return AdamJob(model, opt)
     if isinstance(model, FullyShard):
