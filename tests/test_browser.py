@@ -40,13 +40,16 @@ ARTIFACTS = ROOT / "test-artifacts" / "browser"
 TOKEN = "zerokit-browser-test"
 
 
+def _widgets_called(lesson):
+    """The zerokit.widgets functions the lesson's solution notebook calls."""
+    text = (ROOT / "solutions" / lesson / f"{lesson}.ipynb").read_text()
+    return {name for name in widgets.__all__ if re.search(rf"\b{name}\(", text)}
+
+
 def representative_lessons():
     """The first lesson, then (greedily) lessons until every zerokit.widgets function some
     lesson calls is called by one of them."""
-    calls = {}
-    for lesson in lesson_ids():
-        text = (ROOT / "solutions" / lesson / f"{lesson}.ipynb").read_text()
-        calls[lesson] = {name for name in widgets.__all__ if re.search(rf"\b{name}\(", text)}
+    calls = {lesson: _widgets_called(lesson) for lesson in lesson_ids()}
     chosen = [lesson_ids()[0]]
     missing = set().union(*calls.values()) - calls[chosen[0]]
     while missing:
@@ -59,10 +62,7 @@ def representative_lessons():
 def test_the_representative_lessons_show_every_widget_the_lessons_use():
     chosen = representative_lessons()
     assert chosen[0] == lesson_ids()[0]
-    shown = set()
-    for lesson in chosen:
-        shown |= {name for name in widgets.__all__
-                  if re.search(rf"\b{name}\(", (ROOT / "solutions" / lesson / f"{lesson}.ipynb").read_text())}
+    shown = set().union(*(_widgets_called(lesson) for lesson in chosen))
     assert {"memory_calculator", "shard_map", "step_timeline", "progress"} <= shown, shown
 
 
