@@ -12,9 +12,11 @@ count, so the reference runs the way the ranks run), on the zoo's transformer:
   then Newton-Schulz in bfloat16, which rounds a 1e-7 difference to as much as 2^-8 of the
   update), and each rank holds momentum for the matrices it owns only;
 - owners balance Newton-Schulz cost, not element count; a shard boundary's matrices counted;
-- a parameter no rank has a gradient for is left alone; ZeRO1(params, torch.optim.Muon), a
-  1-D parameter and a checkpoint of ZeRO1Muon's state (its momentum lives on owners, which
-  change with N: not supported yet) are refused with a message that says what to do.
+- a parameter no rank has a gradient for is left alone; ZeRO1(params, torch.optim.Muon) and a
+  1-D parameter are refused with a message that says what to do;
+- checkpoints (zerokit.checkpoint): saved at N = 3, loaded at N = 2 (other owners) and into
+  torch.optim.Muon on one process, every matrix's momentum arrives whole on its new owner and
+  nowhere else, and training on continues bit for bit as the one-process run does.
 """
 
 import pytest
@@ -158,19 +160,83 @@ def test_a_matrix_no_rank_has_a_gradient_for_is_left_alone():
     assert torch.equal(results[0][2], results[1][2])
 
 
-def _refusals(rank, world_size, directory):
+def _refusals(rank, world_size):
     with pytest.raises(TypeError, match="ZeRO1Muon"):
         zerokit.ZeRO1(torch.nn.Linear(3, 3).parameters(), torch.optim.Muon)
     with pytest.raises(ValueError, match="2-D parameters only.*ZeRO1Adam"):
         zerokit.ZeRO1Muon(torch.nn.Linear(3, 3).parameters())
-    # a checkpoint would take a wrapped model's state for replicated and keep rank 0's momentum only
-    model = zerokit.DataParallel(torch.nn.Linear(3, 3, bias=False))
-    with pytest.raises(TypeError, match="cannot save or load ZeRO1Muon yet: .* owner rank only"):
-        zerokit.checkpoint.save(directory, model, zerokit.ZeRO1Muon(model.parameters()))
     return True
 
 
 @pytest.mark.timeout(60)
-def test_whole_matrix_optimizers_vectors_and_checkpoints_are_refused_with_what_to_use(tmp_path):
-    assert run_ranks(_refusals, 2, tmp_path / "ckpt") == [True, True]
-    assert not (tmp_path / "ckpt").exists()
+def test_whole_matrix_optimizers_and_vectors_are_refused_with_what_to_use():
+    assert run_ranks(_refusals, 2) == [True, True]
+
+
+def _owned_momentum(model, muon):
+    names = {p: n for n, p in model.named_parameters()}
+    return {names[p]: s["momentum_buffer"].clone() for p, s in muon.state.items() if "momentum_buffer" in s}
+
+
+def _save_at(rank, world_size, directory):
+    """Three steps of ZeRO1Muon + ZeRO1Adam, every rank on the same batch; one checkpoint per optimizer."""
+    torch.manual_seed(0)
+    model = build_model("transformer")
+    matrices, rest = _split(model)
+    muon, adam = zerokit.ZeRO1Muon(matrices, **MUON), zerokit.ZeRO1Adam(rest, **ADAMW)
+    for step in range(3):
+        x, y = model_batch("transformer", BATCH, seed=step)
+        model_loss("transformer", model(x), y).backward()
+        for opt in (muon, adam):
+            opt.step()
+            opt.zero_grad()
+    zerokit.checkpoint.save(directory / "muon", model, muon)
+    zerokit.checkpoint.save(directory / "adam", model, adam)
+    return _owned_momentum(model, muon), {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _load_and_go_on(rank, world_size, directory, sharded):
+    """Another model (seed 1), loaded from the checkpoints; its momentum now, then two more steps."""
+    torch.manual_seed(1)
+    model = build_model("transformer")
+    matrices, rest = _split(model)
+    if sharded:
+        muon, adam = zerokit.ZeRO1Muon(matrices, **MUON), zerokit.ZeRO1Adam(rest, **ADAMW)
+    else:
+        muon, adam = torch.optim.Muon(matrices, **MUON), torch.optim.AdamW(rest, **ADAMW)
+    zerokit.checkpoint.load(directory / "muon", model, muon)
+    zerokit.checkpoint.load(directory / "adam", model, adam)
+    loaded = _owned_momentum(model, muon), {n: p.detach().clone() for n, p in model.named_parameters()}
+    for step in range(3, 5):
+        x, y = model_batch("transformer", BATCH, seed=step)
+        model_loss("transformer", model(x), y).backward()
+        for opt in (muon, adam):
+            opt.step()
+            opt.zero_grad()
+    return loaded, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.timeout(120)
+def test_a_checkpoint_reshards_the_momentum_to_the_new_owners_and_training_goes_on_bit_for_bit(tmp_path):
+    saved = run_ranks(_save_at, 3, tmp_path)
+    momentum = {}
+    for owned, _ in saved:
+        assert not momentum.keys() & owned.keys(), "a matrix with two owners"
+        momentum.update(owned)
+    weights = saved[0][1]
+    n_matrices = len(_split(build_model("transformer"))[0])
+    assert len(momentum) == n_matrices  # every matrix stepped: a momentum to carry over each
+
+    alone = run_ranks(_load_and_go_on, 1, tmp_path, False)[0]  # torch.optim.Muon + AdamW, one process
+    two = run_ranks(_load_and_go_on, 2, tmp_path, True)  # ZeRO1Muon on 2 ranks: other owners than at 3
+    for who, ((owned, loaded_weights), _) in [("one process", alone)] + [(f"rank {r} of 2", t) for r, t in enumerate(two)]:
+        assert all(torch.equal(loaded_weights[n], weights[n]) for n in weights), f"{who}: weights not as saved"
+        for n, m in owned.items():
+            assert torch.equal(m, momentum[n]), f"{who}: momentum of {n} not as saved"
+    owned_by_two = [set(t[0][0]) for t in two]
+    assert set.union(*owned_by_two) == momentum.keys(), "a matrix's momentum lost"
+    assert sum(map(len, owned_by_two)) == n_matrices, "each matrix's momentum on exactly one rank of 2"
+    assert owned_by_two[0] != set(saved[0][0]), "rank 0 owns the same matrices at 2 as at 3: nothing resharded"
+    assert alone[0][0].keys() == momentum.keys()
+    for r, (_, after) in enumerate(two):  # the same batch on both ranks: exact, as in the tests above
+        assert all(torch.equal(after[n], alone[1][n]) for n in after), f"rank {r}: two steps after loading"

@@ -114,7 +114,8 @@ class ZeRO1Muon(torch.optim.Optimizer):
     group's first rank at construction; every parameter must be 2-D. `self.state[p]` (the
     momentum) exists on p's owner only, so state_dict() is this rank's part. step() reduces
     the gradients in place: afterwards a .grad holds the mean on its matrix's owner and a
-    partial sum elsewhere; zero_grad() clears them as usual.
+    partial sum elsewhere; zero_grad() clears them as usual. zerokit.checkpoint saves and loads
+    it at any world size, as torch.optim.Muon's state (checkpoint/optimizers.py, MuonJob).
     """
 
     def __init__(self, params, lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True,

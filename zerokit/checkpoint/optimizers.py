@@ -24,13 +24,17 @@ parameter, a view of their weights, and the (optimizer, parameter) whose state h
 - `zerokit.FullyShard(model)` + X: the same segment Parameters, stepped by the user's X.
 - `zerokit.DataParallel(model)` + X (or a plain model in one process): every parameter whole on
   every rank. Each rank writes the 1/N that ZeRO-1 would own; on load every rank reads it all.
+- `zerokit.ZeRO1Muon` (lesson 09): the weights replicated, each matrix's momentum on its owner
+  only. Saved as torch.optim.Muon's state in the replicated layout, so the owners of the
+  saving world size leave no trace in the files and the next world size's owners read theirs.
 Because every layout is the same flat buckets, a checkpoint of any of them loads into any
 other, at any world size, by names and offsets (zerokit.checkpoint.load); the state of one
 optimizer class never loads into another.
 """
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -62,10 +66,8 @@ def job_of(model, opt):
     if not isinstance(opt, torch.optim.Optimizer):
         raise TypeError(f"zerokit.checkpoint saves a model with a torch optimizer (zerokit's included), not with "
                         f"{type(opt).__name__}")
-    if isinstance(opt, ZeRO1Muon):  # else a wrapped model would pass for replicated state, and lose it
-        raise TypeError("zerokit.checkpoint cannot save or load ZeRO1Muon yet: each matrix's momentum lives on its "
-                        "owner rank only, and the owners change with the world size; keep the job's world size and "
-                        "save opt.state_dict() on every rank (its own matrices' momentum) beside the model")
+    if isinstance(opt, ZeRO1Muon):  # before the replicated case: its momentum lives on the owners only
+        return MuonJob(model, opt)
     if isinstance(opt, (DistributedAdam, ZeRO1Adam)):  # the lessons' Adam: saved as lesson 07 saves it
         return AdamJob(model, opt)
     if isinstance(model, FullyShard):
@@ -504,3 +506,60 @@ class ReplicatedJob(TorchJob):
 
     def trained_shapes(self):
         return {self.names[p]: p.shape for params in self._trainable() for p in params}
+
+
+class MuonJob(ReplicatedJob):
+    """zerokit.ZeRO1Muon: every matrix whole on every rank, its momentum on its owner only.
+
+    The file is torch.optim.Muon's state in the replicated layout (rank r writes the 1/N of each
+    flat buffer ZeRO-1 would own), not ZeRO1Muon's by owner: owners follow from the world size
+    (assign_owners), so a layout by owner could not be read at another N without redoing the
+    assignment, and this one loads into DataParallel + torch.optim.Muon as well. Saving costs a
+    broadcast of every matrix's momentum from its owner (Ψ elements per rank, one matrix at a time;
+    each rank keeps only the elements it writes: Ψ/N). On load each rank reads the weights of
+    every matrix and the momentum of the matrices it owns now."""
+
+    stage = "zero1_muon"
+
+    def __init__(self, model, opt):
+        group_size = dist.get_world_size(opt.group) if dist.is_initialized() else 1
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if group_size != world:
+            raise TypeError(f"zerokit.checkpoint saves a ZeRO1Muon whose group is every rank ({world}), not a "
+                            f"subgroup of {group_size}")
+        super().__init__(model, opt)
+        self.optimizer_class = torch.optim.Muon  # the same state and arithmetic (muon_update_)
+
+    def pieces(self):
+        """Every matrix whole; only those this rank owns have an optimizer (state to fill on load)."""
+        owned = set(self.opt.owned())
+        return [p if p.param in owned else replace(p, optimizer=None) for p in super().pieces()]
+
+    def shard_tensors(self, world, rank):
+        buckets = self.buckets(world, rank)
+        held = self._momentum_of(buckets)  # a collective, before any bytes are written
+        for bucket, pieces in buckets:
+            pieces = [replace(p, optimizer=held, span=slice(None)) for p in pieces]
+            for kind in self.kinds:
+                yield from _end_to_end(bucket, pieces, kind)
+
+    @torch.no_grad()
+    def _momentum_of(self, buckets):
+        """A stand-in optimizer whose state holds, for each piece this rank writes, the momentum of
+        exactly those elements: each matrix's owner broadcasts its buffer (zeros if it has none yet:
+        the metadata says so, and loading then leaves no state), every rank keeps its piece."""
+        mine = {p.param: p for _, pieces in buckets for p in pieces}
+        state = {}
+        for param, owner in zip(self.opt.params, self.opt.owners):
+            if not param.requires_grad:
+                continue
+            buffer = self.opt.state.get(param, {}).get("momentum_buffer")
+            if owner != self.opt.rank or buffer is None:
+                buffer = torch.zeros_like(param)
+            if self.opt.world_size > 1:
+                source = owner if self.opt.group is None else dist.get_global_rank(self.opt.group, owner)
+                dist.broadcast(buffer, src=source, group=self.opt.group)
+            piece = mine.get(param)
+            if piece is not None:
+                state[param] = {"momentum_buffer": buffer.reshape(-1)[piece.span].clone()}
+        return SimpleNamespace(state=state)
