@@ -17,10 +17,10 @@ collector (plus each parameter's .grad), counts each underlying storage once, an
 under the first category that claims it: a model parameter's storage is "parameters", a
 .grad's is "gradients", what the optimizer holds is "optimizer_states" (its `state`, or
 what a zerokit optimizer lists in `memory_categories()`), and everything else live is
-"other" (data, activations kept by Python, buffers). Buffers of a zerokit optimizer's
-collectives in flight are model state in transit and are claimed as such (`_in_transit`):
-a ZeRO-3 all-gather's output (a prefetched unit) as parameters, a ZeRO-2/3 reduce-scatter's
-flat input and output shard as gradients. Tensors that only C++ holds (the
+"other" (data, activations kept by Python, buffers). `memory_categories()` is the one way
+an optimizer tells what it holds, model state in transit included: a ZeRO-3 all-gather in
+flight (a prefetched unit) is parameters, a ZeRO-1/2/3 reduce-scatter's flat input and output
+shard are gradients; census reads no optimizer's private fields. Tensors that only C++ holds (the
 activations autograd saved for backward) are invisible to it; on a GPU,
 `torch.cuda.max_memory_allocated` gives the true peak including them.
 `MemoryProbe` takes a census at many points of a training step (after each module's
@@ -77,26 +77,6 @@ def _storage_key(t):
     return (s.device.type, s.data_ptr()), s.nbytes()
 
 
-def _in_transit(optimizer):
-    """{category: [tensors]}: the buffers of a zerokit optimizer's collectives in flight.
-
-    Model state on its way somewhere is still model state: an all-gather's output is a full
-    copy of a unit's weights (ZeRO-3's prefetch, `_gathering`: bucket -> (work, full, shard)),
-    and a reduce-scatter's input and output are gradients (ZeRO-2/3's `_in_flight`: (work,
-    bucket, output shard, flat input)). Left unclaimed they would be filed under "other" by a
-    full census and not counted at all by a fast one (scan=False), and a prefetched unit or a
-    bucket's reduced shard would vanish from the parameter or gradient peak.
-    """
-    out = defaultdict(list)
-    for entry in (getattr(optimizer, "_gathering", None) or {}).values():
-        if isinstance(entry, tuple):  # (work, full buffer, input shard or its 16-bit copy)
-            out["parameters"].extend(t for t in entry[1:] if isinstance(t, torch.Tensor))
-    for entry in getattr(optimizer, "_in_flight", None) or ():
-        if isinstance(entry, tuple):  # (work, bucket index, output shard, flat input)
-            out["gradients"].extend(t for t in entry if isinstance(t, torch.Tensor))
-    return out
-
-
 def _optimizer_tensors(optimizer):
     """{category: [tensors]} the optimizer holds."""
     out = defaultdict(list)
@@ -106,8 +86,6 @@ def _optimizer_tensors(optimizer):
     if declared is not None:
         for cat, tensors in declared().items():
             out[cat].extend(tensors)
-    for cat, tensors in _in_transit(optimizer).items():
-        out[cat].extend(tensors)
     for state in getattr(optimizer, "state", {}).values():
         for v in state.values() if isinstance(state, dict) else ():
             if isinstance(v, torch.Tensor):

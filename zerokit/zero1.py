@@ -443,7 +443,8 @@ class ZeRO1Adam(torch.optim.Optimizer):
         """
         return {
             "parameters": list(self.flat_params),
-            "gradients": [b for b in self._grad_buffers if b is not None],
+            "gradients": [b for b in self._grad_buffers if b is not None] + [  # beyond the exercise: bucket_mb's
+                t for sent in self._early if sent is not None for t in sent[1:3]],  # transfers in flight
             "optimizer_states": [t for s in self.shards for t in s.tensors() if t is not None],
         }
 

@@ -184,7 +184,9 @@ class ZeRO2Adam(ZeRO1Adam):
 
     def memory_categories(self):
         cats = super().memory_categories()
-        cats["gradients"] = [g for g in self.grad_shards if g is not None] + [f for *_, f in self._in_flight]
+        # a reduce-scatter in flight: its flat input and its output shard are gradients on their way
+        cats["gradients"] = [g for g in self.grad_shards if g is not None] + [
+            t for _work, _bi, out, flat in self._in_flight for t in (out, flat)]
         return cats
 
     # ---- beyond the exercise -----------------------------------------------------------

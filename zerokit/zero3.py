@@ -207,7 +207,9 @@ class ShardedParameters(ZeRO2Adam):
         # rest counts as optimizer state (the paper's K = 12), as ZeRO-1 counts its masters
         masters = [s.master for s in self.shards]
         at_rest = [t for t in self.flat_params if not any(t is m for m in masters)]
-        cats["parameters"] = at_rest + [f for f in self._full if f is not None]
+        # an all-gather in flight (a prefetch): its full buffer and its input shard are parameters
+        cats["parameters"] = at_rest + [f for f in self._full if f is not None] + [
+            t for _work, full, shard in self._gathering.values() for t in (full, shard)]
         return cats
 
     def _gather_buffer(self, bi, shard):
