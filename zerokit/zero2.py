@@ -116,8 +116,8 @@ class ZeRO2Adam(ZeRO1Adam):
 
     def _on_grad_ready(self, param):
         """The hook: param's gradient has arrived; send every bucket now complete, in order."""
-        if not self._sync:
-            return  # beyond the exercise: inside no_sync(), gradients accumulate in .grad
+        if not self._sync:  # beyond the exercise: inside no_sync(), gradients accumulate in .grad
+            return
         bi, _ = self._where[param]
         self._ready[bi] += 1
         while self._next < len(self.buckets) and self._ready[self._next] == len(self.buckets[self._next].params):
@@ -186,7 +186,7 @@ class ZeRO2Adam(ZeRO1Adam):
         cats = super().memory_categories()
         # a reduce-scatter in flight: its flat input and its output shard are gradients on their way
         cats["gradients"] = [g for g in self.grad_shards if g is not None] + [
-            t for _work, _bi, out, flat in self._in_flight for t in (out, flat)]
+            t for sent in self._in_flight for t in sent if isinstance(t, torch.Tensor)]
         return cats
 
     # ---- beyond the exercise -----------------------------------------------------------

@@ -209,7 +209,7 @@ class ShardedParameters(ZeRO2Adam):
         at_rest = [t for t in self.flat_params if not any(t is m for m in masters)]
         # an all-gather in flight (a prefetch): its full buffer and its input shard are parameters
         cats["parameters"] = at_rest + [f for f in self._full if f is not None] + [
-            t for _work, full, shard in self._gathering.values() for t in (full, shard)]
+            t for sent in self._gathering.values() for t in sent if isinstance(t, torch.Tensor)]
         return cats
 
     def _gather_buffer(self, bi, shard):
