@@ -129,7 +129,8 @@ class ZeRO2Adam(ZeRO1Adam):
         bucket = self.buckets[bi]
         while len(self._in_flight) >= self.max_in_flight:  # beyond the exercise: see max_in_flight
             self._receive()
-        # beyond the exercise (lesson 06): reduce_dtype, the dtype to average in (None: the gradients')
+        # beyond the exercise (lesson 06): reduce_dtype, the dtype to average in (None: the gradients');
+        # the exercise: `flat = bucket.flatten([p.grad for p in bucket.params])`
         flat = bucket.flatten([p.grad for p in bucket.params], dtype=self.reduce_dtype)
         for p in bucket.params:
             p.grad = None  # the full gradient is gone as soon as its bucket is on its way

@@ -235,7 +235,8 @@ class ShardedParameters(ZeRO2Adam):
         """Start bucket bi's all-gather (asynchronous) unless it is full or on its way."""
         if self._full[bi] is not None or bi in self._gathering:  # not UnitState.SHARDED
             return
-        # beyond the exercise (lesson 06): an fp32 master at rest is sent in 16 bits
+        # beyond the exercise (lesson 06): an fp32 master at rest is sent in 16 bits;
+        # the exercise: `shard = self.flat_params[bi]`
         shard = self.precision.to_half(self.flat_params[bi])
         full = self._gather_buffer(bi, shard)
         work = all_gather(full, shard, group=self.group, async_op=True)
