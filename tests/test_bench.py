@@ -78,3 +78,60 @@ def test_bench_command_writes_table_json_and_plot(tmp_path):
         # total is the sum of the parts up to float rounding
         assert f["total_s"] >= max(parts), f
         assert f["total_s"] == pytest.approx(sum(parts), rel=1e-9), f
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)  # about 10 s on an idle 2-core machine; generous: the machine may be shared
+def test_sweep_writes_json_and_plot_and_its_bytes_match_theory(tmp_path):
+    """`python -m zerokit.bench --sweep` on two small models at N = 1 and 2: every stage's
+    model state at rest is theory_bytes' figure, and its traffic theory_volume's, up to what
+    the stages legitimately add (each flat buffer padded to a multiple of N; one presence flag
+    per parameter tensor sent with the gradients; ZeRO-3's root unit gathered once, not twice)."""
+    from zerokit.comm import theory_volume
+    from zerokit.memory import theory_bytes
+
+    cmd = [sys.executable, "-m", "zerokit.bench", "--sweep", "--world-sizes", "1", "2", "--min-params", "2e5",
+           "--max-params", "4e5", "--steps", "1", "--warmup", "0", "--no-peak", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "ZeRO-3" in proc.stdout and str(tmp_path / "sweep.json") in proc.stdout  # the table, and where it went
+    assert (tmp_path / "sweep.png").stat().st_size > 10_000
+    summary = json.loads((tmp_path / "sweep.json").read_text())
+
+    rows = summary["rows"]
+    psis = sorted({r["psi"] for r in rows})
+    assert len(psis) == 2 and psis[0] == pytest.approx(2e5, rel=0.05) and psis[1] == pytest.approx(4e5, rel=0.05)
+    assert sorted((r["psi"], r["world_size"], r["stage"]) for r in rows) == sorted(
+        (psi, n, stage) for psi in psis for n in (1, 2) for stage in ("ddp", "zero1", "zero2", "zero3"))
+    for r in rows:
+        psi, n, stage, where = r["psi"], r["world_size"], r["stage"], (r["psi"], r["world_size"], r["stage"])
+        assert r["step_time_s"]["median"] > 0 and len(r["step_time_s"]["per_step_slowest_rank"]) == 1, where
+        # model state at rest: theory_bytes' figure, padding the only excess (under N elements
+        # per flat buffer: once for parameters and gradients, twice for Adam's two moments)
+        theory = theory_bytes(psi, stage, n, "fp32")
+        measured = r["model_state"]["measured"]
+        pad = 4 * n * max(r["flat_buffers"], 1)
+        for cat, copies in (("parameters", 1), ("gradients", 1), ("optimizer_states", 2)):
+            assert theory[cat] <= measured[cat] <= theory[cat] + copies * pad, (where, cat, measured[cat], theory[cat])
+        assert r["model_state"]["theory"]["total"] == theory["total"], where  # the JSON holds the theory beside
+        # bytes communicated (paper convention): theory_volume x 4 B, plus padding and the flags;
+        # ZeRO-3 a hair under it (its root unit, here the position embedding and final norm, is gathered once)
+        want = theory_volume(stage, psi) * 4
+        volume = r["comm"]["volume_bytes"]
+        assert volume <= want + 3 * pad + 2 * 4 * r["param_tensors"], (where, volume, want)
+        assert volume >= (0.99 if stage == "zero3" else 1.0) * want, (where, volume, want)
+        assert r["comm"]["theory_volume_bytes"] == want, where
+        # written to the sockets: nothing at N = 1; at N = 2 at least a ring's half of the volume
+        # (data parallel's all-reduce exactly that; gloo's reduce-scatter writes as much as an all-reduce)
+        wire = r["comm"]["wire_bytes"]
+        if n == 1:
+            assert wire < 4096, (where, wire)
+        else:
+            assert 0.99 * want / 2 <= wire <= 1.6 * want / 2, (where, wire, want)
+            if stage == "ddp":
+                assert wire == pytest.approx(want / 2, rel=0.02), (where, wire, want)
+    # the point of the stages, at N = 2: ZeRO-3 holds half of data parallel's model state per rank
+    for psi in psis:
+        state = {r["stage"]: r["model_state"]["measured"]["total"] for r in rows if r["psi"] == psi
+                 and r["world_size"] == 2}
+        assert state["zero3"] == pytest.approx(state["ddp"] / 2, rel=0.01), state

@@ -29,6 +29,7 @@ measures and how):
     plot.py        the figure
     runner.py      run(): launch, summarise, write the JSON and the plot
     cli.py         main(): the command line; __main__.py runs it
+    sweep.py       `--sweep`: step time, model state and traffic against Ψ and N, beside theory
 
 Output: the table on stdout, `bench-results/bench-ws<N>.json` and `bench-ws<N>.png`.
 

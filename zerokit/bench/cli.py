@@ -1,6 +1,8 @@
-"""main(): `python -m zerokit.bench`'s options; prints the table and where the files went."""
+"""main(): `python -m zerokit.bench`'s options; prints the table and where the files went.
+With --sweep, hands its other options to sweep.main (`python -m zerokit.bench --sweep --help`)."""
 
 import argparse
+import sys
 import time
 
 import zerokit.bench
@@ -12,6 +14,11 @@ from .workload import MODELS
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--sweep" in argv:  # a different run with its own options: sweep.py parses them
+        from .sweep import main as sweep_main
+
+        return sweep_main([a for a in argv if a != "--sweep"])
     p = argparse.ArgumentParser(prog="python -m zerokit.bench", description=zerokit.bench.__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--world-size", "-n", type=int, default=2)
@@ -29,6 +36,9 @@ def main(argv=None):
     p.add_argument("--out", default="bench-results", help="folder for the JSON and the plot")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sweep", action="store_true",
+                   help="instead: how step time, model state and traffic grow with Ψ (about 1M up) and N (1, 2, 4), "
+                        "beside theory; bench-results/sweep.json and sweep.png (options: --sweep --help)")
     a = p.parse_args(argv)
     t0 = time.perf_counter()
     summary = run(world_size=a.world_size, model=a.model, steps=a.steps, warmup=a.warmup, configs=a.configs,
