@@ -440,6 +440,7 @@ def train(rank, world_size, args):
     steps = range(start, args.steps)
     warmup = min(args.warmup, max(len(steps) - 1, 0))  # at least one timed step when there is one
     losses, tokens, seconds = {}, 0, 0.0  # tokens and seconds of the timed steps (after warm-up)
+    step_seconds = []  # each timed step's, for a median that a busy machine's bursts do not move
     bar = progress(steps, desc=f"stage {args.stage}{' torch' if args.impl == 'torch' else ''}, N = {world_size}") \
         if rank == 0 and not args.quiet else steps
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=uses_autocast(args))
@@ -466,7 +467,8 @@ def train(rank, world_size, args):
         dist.all_reduce(total)  # the global batch's mean loss, for the record
         losses[step + 1] = float(total) / world_size
         if step - start >= warmup:
-            seconds += time.perf_counter() - t
+            step_seconds.append(time.perf_counter() - t)
+            seconds += step_seconds[-1]
             tokens += args.batch * args.seq_len
         if bar is not steps:
             bar.set_postfix(loss=f"{losses[step + 1]:.3f}", refresh=False,
@@ -487,7 +489,7 @@ def train(rank, world_size, args):
     result = {"stage": args.stage, "impl": args.impl, "precision": args.precision, "world_size": world_size,
               "start": start, "batch": args.batch, "seq_len": args.seq_len,
               "tokens_per_step": args.batch * args.seq_len, "losses": losses, "val_loss": val,
-              "tokens_per_s": tokens / seconds if seconds else None, "timed_steps": len(steps) - warmup,
+              "tokens_per_s": tokens / seconds if seconds else None, "step_seconds": step_seconds,
               "params": n_params, "memory": memory, "samples": samples}
     if rank == 0:
         what = f"stage {args.stage}{' (torch peer)' if args.impl == 'torch' else ''}, N = {world_size}, " \
