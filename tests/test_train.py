@@ -146,7 +146,12 @@ def test_a_rank_killed_under_torchrun_restarts_from_the_last_checkpoint(tmp_path
                                  "--checkpoint-dir", str(ckpt), "--resume", "--sample-bytes", "16",
                                  "--out", str(tmp_path / "run.json")])
     # meanwhile, the uninterrupted job (one launch, forked ranks), 8 steps: the curve to follow
-    whole = _losses(run_ranks(_resume, 2, tmp_path / "whole", ["--steps", "8"])[0])
+    try:
+        whole = _losses(run_ranks(_resume, 2, tmp_path / "whole", ["--steps", "8"])[0])
+    except BaseException:
+        os.killpg(job.pid, signal.SIGKILL)  # no torchrun job outlives the test
+        job.communicate()
+        raise
     rc, log = _finish_job(job)
     assert rc == 0, log[-3000:]
     # the fault happened, torchrun relaunched the job, and the relaunch found step 2's checkpoint

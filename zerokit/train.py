@@ -150,6 +150,13 @@ def checksum(text):
     return zlib.crc32(text.to(torch.uint8).numpy().tobytes())
 
 
+def texts(args):
+    """(training text, validation text: its last 5%, the whole text's checksum)."""
+    text = corpus(args.data_mb)
+    cut = int(len(text) * 0.95)
+    return text[:cut], text[cut:], checksum(text)
+
+
 def global_batch(text, step, batch, seq_len, seed):
     """(inputs, targets) of `step`, the same on every rank and at every world size."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + step)
@@ -187,6 +194,25 @@ def build(args, world_size):
     blocks = list(model.blocks)
     model = zerokit.FullyShard(model, units=blocks, compute_dtype=torch.bfloat16 if bf16 else None)
     return model, torch.optim.AdamW(model.parameters(), **hyper), n
+
+
+def train_step(args, model, opt, train_text, step, rows, autocast):
+    """Forward, backward (over --accum micro-batches), clipping and opt.step() of `step` on this
+    rank's `rows` of the global batch; the rank's mean loss. The caller zeroes the gradients."""
+    x, y = global_batch(train_text, step, args.batch, args.seq_len, args.seed)
+    x, y = x[rows], y[rows]
+    total = torch.zeros(())
+    for k in range(args.accum):
+        xs, ys = x[k::args.accum], y[k::args.accum]
+        with autocast:
+            logits = model(xs)
+        loss = F.cross_entropy(logits.float().reshape(-1, 256), ys.reshape(-1))
+        (loss / args.accum).backward()
+        total += loss.detach() / args.accum
+    if args.clip is not None:
+        clip_(args, model, opt)
+    opt.step()
+    return total
 
 
 def uses_autocast(args):
@@ -424,10 +450,7 @@ def train(rank, world_size, args):
         torch.set_num_threads(args.threads)
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
     kill_at = kill_point(rank, restarts)
-    text = corpus(args.data_mb)
-    text_sum = checksum(text)
-    cut = int(len(text) * 0.95)
-    train_text, val_text = text[:cut], text[cut:]
+    train_text, val_text, text_sum = texts(args)
     model, opt, n_params = build(args, world_size)
     start, said = resume(args, model, opt, text_sum, world_size, restarts)
     if rank == 0 and said:  # said even when --quiet: where a run starts is never a detail
@@ -446,19 +469,7 @@ def train(rank, world_size, args):
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=uses_autocast(args))
     for step in bar:
         t = time.perf_counter()
-        x, y = global_batch(train_text, step, args.batch, args.seq_len, args.seed)
-        x, y = x[rows], y[rows]
-        total = torch.zeros(())
-        for k in range(args.accum):
-            xs, ys = x[k::args.accum], y[k::args.accum]
-            with autocast:
-                logits = model(xs)
-            loss = F.cross_entropy(logits.float().reshape(-1, 256), ys.reshape(-1))
-            (loss / args.accum).backward()
-            total += loss.detach() / args.accum
-        if args.clip is not None:
-            clip_(args, model, opt)
-        opt.step()
+        total = train_step(args, model, opt, train_text, step, rows, autocast)
         if step == start and not args.quiet:  # the gradients are still there: every category is full
             busy = time.perf_counter() - t
             memory = report_memory(model_state_bytes(model, opt), args, world_size, n_params, step + 1)

@@ -3,9 +3,11 @@ r"""python -m zerokit.train's stages beside their PyTorch peers: the same job, t
     python -m zerokit.bench.train_peers                                  # N = 1, 2, 4; stages 0-3
     python -m zerokit.bench.train_peers --nproc 2 --stages 3 --steps 60 -- --dim 256
 
-Each (stage, N) is trained twice by `zerokit.train.train`, once with zerokit's wrapper and once
-with `--impl torch`, which builds the peer below on the same model (TinyTransformer on bytes,
-same seed), the same batches and torch.optim.AdamW with the same hyperparameters:
+Each (stage, N) is one `zerokit.launch` (forked ranks, gloo) in which every rank builds both
+systems, zerokit's wrapper and the PyTorch peer that `python -m zerokit.train --impl torch`
+builds, on the same model (TinyTransformer on bytes, same seed), and trains them in turns, one
+step each, on the same batches with torch.optim.AdamW and the same hyperparameters
+(zerokit.train's own step function):
 
 | stage | zerokit (python -m zerokit.train)         | PyTorch peer (--impl torch) |
 |-------|-------------------------------------------|-----------------------------|
@@ -16,14 +18,14 @@ same seed), the same batches and torch.optim.AdamW with the same hyperparameters
 
 Both sides keep their defaults otherwise (zerokit's bucket sizes, DDP's 25 MiB buckets), with
 the documented memory options zerokit.bench uses for the peers (zerokit/bench/systems.py).
-Each run is its own `zerokit.launch` (forked ranks, gloo); tokens/s is a step's tokens over
-rank 0's median step time after --warmup (every step ends in an all-reduce of the loss, so
-rank 0 waits for the slowest; the median, not the mean, so that a burst of other work on the
-machine moves it less). Each rank gets max(1, cores // N) threads: N ranks on fewer cores than N are
-oversubscribed, and the table says so. The two systems of a cell run back to back, in
-alternating order (so a slow drift of the machine does not always favour the same one),
---repeats times; the table keeps each system's fastest run, since whatever else the machine
-does can only slow a run down.
+
+Timing: every step starts with a barrier and ends with the all-reduce of the loss, so rank 0's
+clock covers the slowest rank; tokens/s is a step's tokens over the median step time after
+--warmup. In turns, and with the median, because a shared machine is not quiet: measured as two
+separate runs one after the other, the same configuration swung 4x from one run to the next
+on this 2-core machine while other jobs ran, and a burst of other work now slows both systems'
+steps alike. Which system goes first alternates every step. Each rank gets max(1, cores // N)
+threads: N ranks on fewer cores than N are oversubscribed, and the table says so.
 """
 
 import argparse
@@ -31,6 +33,7 @@ import json
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -82,16 +85,56 @@ def cores():
         return os.cpu_count() or 1
 
 
-def run_one(stage, world_size, impl, train_args, timeout):
-    """zerokit.train.train on `world_size` forked ranks; rank 0's result."""
+IMPLS = ("zerokit", "torch")
+
+
+def rotation(rank, world_size, stage, train_args, threads):
+    """Both systems of `stage` built on every rank and trained in turns, one step each, on the
+    same batches; {impl: {"step_seconds": [...], "losses": {...}}} (rank 0's clock)."""
+    import torch.distributed as dist
+
+    from zerokit.train import build, parse_args, texts, train_step, uses_autocast
+
+    torch.set_num_threads(threads)
+    args = {impl: parse_args(["--stage", str(stage), "--impl", impl, "--quiet", *train_args]) for impl in IMPLS}
+    a = args["zerokit"]
+    train_text, _, _ = texts(a)
+    per_rank = a.batch // world_size
+    rows = slice(rank * per_rank, (rank + 1) * per_rank)
+    systems = {impl: build(args[impl], world_size)[:2] for impl in IMPLS}
+    out = {impl: {"step_seconds": [], "losses": {}} for impl in IMPLS}
+    for step in range(a.steps):
+        # which system goes first alternates: neither always runs right after the other's step
+        for impl in (IMPLS if step % 2 == 0 else IMPLS[::-1]):
+            model, opt = systems[impl]
+            autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=uses_autocast(args[impl]))
+            dist.barrier()  # every rank starts the step together: no rank's lag is charged to the other system
+            t = time.perf_counter()
+            total = train_step(args[impl], model, opt, train_text, step, rows, autocast)
+            opt.zero_grad()
+            dist.all_reduce(total)  # as zerokit.train's steps end
+            seconds = time.perf_counter() - t
+            if step >= a.warmup:
+                out[impl]["step_seconds"].append(seconds)
+            out[impl]["losses"][step + 1] = float(total) / world_size
+    for impl in IMPLS:
+        out[impl].update(stage=stage, impl=impl, precision=a.precision, world_size=world_size, start=0,
+                         tokens_per_step=a.batch * a.seq_len, threads=threads)
+    return out
+
+
+def measure(stage, world_size, train_args, timeout):
+    """rotation() on `world_size` forked ranks (gloo), each with max(1, cores // N) threads; rank 0's result,
+    with each system's tokens/s: a step's tokens over its median step time."""
     import zerokit
-    from zerokit.train import parse_args, train
 
     threads = max(1, cores() // world_size)
-    args = parse_args(["--stage", str(stage), "--impl", impl, "--threads", str(threads), "--quiet",
-                       *train_args])
-    return zerokit.launch(train, world_size, args=(args,), backend="gloo", launcher="forkserver",
-                          timeout=timeout, echo=False)[0]
+    out = zerokit.launch(rotation, world_size, args=(stage, train_args, threads), backend="gloo",
+                         launcher="forkserver", timeout=timeout, echo=False)[0]
+    for result in out.values():
+        result["tokens_per_s"] = result["tokens_per_step"] / statistics.median(result["step_seconds"])
+        result["final_loss"] = result["losses"][max(result["losses"])]
+    return out
 
 
 def table(rows, n_cores):
@@ -111,40 +154,29 @@ def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m zerokit.bench.train_peers", description=__doc__.split("\n\n")[0])
     p.add_argument("--nproc", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3], choices=(0, 1, 2, 3))
-    p.add_argument("--steps", type=int, default=40, help="steps per run, --warmup included")
+    p.add_argument("--steps", type=int, default=40, help="steps per system, --warmup included")
     p.add_argument("--warmup", type=int, default=10, help="steps left out of tokens/s")
-    p.add_argument("--repeats", type=int, default=2,
-                   help="runs per system and cell, alternating; the table keeps each one's fastest (another "
-                        "process on the machine only ever slows a run down)")
-    p.add_argument("--timeout", type=float, default=600, help="seconds one run may take")
+    p.add_argument("--timeout", type=float, default=600, help="seconds one (stage, N) may take")
     p.add_argument("--out", type=Path, default=Path("bench-results/train_peers"),
                    help="folder for runs.json, table.md and loss.png")
     p.add_argument("train_args", nargs="*", help="after --: more python -m zerokit.train options (--dim 64 ...)")
     args = p.parse_args(argv)
+    if args.steps <= args.warmup:
+        p.error(f"--steps {args.steps} leaves no step after --warmup {args.warmup} to time")
     train_args = ["--steps", str(args.steps), "--warmup", str(args.warmup), *args.train_args]
-    n_cores, rows, runs, fastest, flip = cores(), [], [], {}, False
+    n_cores, rows, runs = cores(), [], []
     for world_size in args.nproc:
         for stage in args.stages:
-            row = {"stage": stage, "world_size": world_size}
-            for _ in range(args.repeats):
-                for impl in (("torch", "zerokit") if flip else ("zerokit", "torch")):
-                    result = run_one(stage, world_size, impl, train_args, args.timeout)
-                    speed = result["median_tokens_per_s"] = \
-                        result["tokens_per_step"] / statistics.median(result["step_seconds"])
-                    final = result["losses"][max(result["losses"])]
-                    print(f"stage {stage}, N = {world_size}, {impl:>7}: {speed:8.0f} tokens/s (median step), "
-                          f"{result['tokens_per_s']:8.0f} (mean), final loss {final:.4f}", flush=True)
-                    best = row.setdefault(impl, {"tokens_per_s": 0.0, "all": []})
-                    best["all"].append(speed)
-                    runs.append(result)
-                    if speed > best["tokens_per_s"]:
-                        best.update(tokens_per_s=speed, final_loss=final)
-                        fastest[stage, world_size, impl] = result
-                flip = not flip
-            rows.append(row)
+            out = measure(stage, world_size, train_args, args.timeout)
+            rows.append({"stage": stage, "world_size": world_size, **{
+                impl: {k: out[impl][k] for k in ("tokens_per_s", "final_loss")} for impl in IMPLS}})
+            runs += out.values()
+            print(f"stage {stage}, N = {world_size}: " + ", ".join(
+                f"{impl} {out[impl]['tokens_per_s']:.0f} tokens/s (final loss {out[impl]['final_loss']:.4f})"
+                for impl in IMPLS), flush=True)
     md = table(rows, n_cores)
-    machine = (f"{n_cores} CPU cores, gloo, torch {torch.__version__}; {args.steps} steps per run, the last "
-               f"{args.steps - args.warmup} timed (median step); the fastest of {args.repeats} runs per cell and system")
+    machine = (f"{n_cores} CPU cores, gloo, torch {torch.__version__}; {args.steps} steps per system, the last "
+               f"{args.steps - args.warmup} timed (median step), the two systems in turns in one launch")
     print(f"\n{md}\n\n{machine}")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "table.md").write_text(f"{md}\n\n{machine}\n")
@@ -153,7 +185,7 @@ def main(argv=None):
 
     # the largest N only: in fp32 every curve is the same, and 24 lines would bury the legend
     top = max(args.nproc)
-    plot_losses([r for (_, n, _), r in fastest.items() if n == top], args.out / "loss.png",
+    plot_losses([r for r in runs if r["world_size"] == top], args.out / "loss.png",
                 title=f"zerokit and its PyTorch peers, N = {top}: the same job")
     print(f"written: {args.out / 'table.md'}, {args.out / 'runs.json'}, {args.out / 'loss.png'}")
 
