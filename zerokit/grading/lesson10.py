@@ -434,7 +434,7 @@ def _check_resume(loop, stage, world_size, resume_world_size, every, stop, steps
                 f"step {k} of the resumed run ({where}) has loss {resumed[k]:.6f}, the uninterrupted run {whole[k]:.6f} "
                 f"(relative difference {off:.1e}): resume is not exact. The checkpoint step{last} must hold the "
                 f"weights and optimizer state after the update of step {last} (save after opt.step()), loaded with "
-                f"zerokit.checkpoint.load before the first step, and the resumed run must draw the batches of steps "
-                f"{last}.. (global_batch of the step, whatever the world size)")
+                f"zerokit.checkpoint.load before the first step, and the resumed run must draw the batch of each step "
+                f"from index {last} on (global_batch of the step, whatever the world size)")
     passed(f"killed after step {stop} ({world_size} ranks, stage {stage}, a checkpoint every {every} steps) and resumed "
            f"on {resume_world_size}: steps {last + 1}-{steps} follow the uninterrupted run within {RTOL:g}")
