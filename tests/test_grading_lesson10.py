@@ -16,6 +16,7 @@ problem, and pass the others.
 | reports this rank's loss, not the global batch's | losses | "share of the batch" |
 | never clips | losses (with clip) | "did not clip" |
 | checkpoints without their data position (train.json) | resume | "no data position" |
+| a checkpoint only when the run finishes (the killed job has none) | resume | "no checkpoint" |
 | calls zerokit.train's own train | every check | "zerokit.train's own train" |
 | the untouched student notebook | every check | "NotImplementedError" |
 """
@@ -109,6 +110,8 @@ LOCAL_LOSS = "        dist.all_reduce(total)\n", "        # BUG: this rank's los
 NO_CLIP = "            clip_(cfg, model, opt)\n", "            pass  # BUG: never clips\n"
 NO_POSITION = ('                (path / "train.json").write_text(json.dumps({"step": step + 1}))\n',
                "                pass  # BUG: no data position\n")
+AT_THE_END = ("        if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:\n",
+              "        if cfg.checkpoint_every and step + 1 == cfg.steps:  # BUG: only a job that finishes saves\n")
 ZEROKIT_TRAIN = '''
 def train_loop(rank, world_size, cfg, model, opt, text):
     import zerokit.train
@@ -128,6 +131,7 @@ def _edited(old, new):
     ("local_loss", _edited(*LOCAL_LOSS), lesson10.check_losses, dict(stage=1, world_size=2), "share of the batch"),
     ("no_clip", _edited(*NO_CLIP), lesson10.check_losses, dict(stage=3, world_size=2, clip=0.5), "did not clip"),
     ("no_position", _edited(*NO_POSITION), lesson10.check_resume, dict(stage=3, world_size=2), "no data position"),
+    ("at_the_end", _edited(*AT_THE_END), lesson10.check_resume, dict(stage=2, world_size=2), "no checkpoint"),
     ("zerokit_train", ZEROKIT_TRAIN, lesson10.check_losses, dict(stage=1, world_size=2), "zerokit.train's own train"),
 ])
 def test_each_bug_fails_its_check_with_a_reason_that_names_it(name, edit, check, kw, match):
