@@ -60,6 +60,9 @@ the student's code, under the same names, plus what only its lesson has:
                           check_state              momentum only for the matrices a rank owns (~4Ψ/N)
                           check_traffic            ≤ 2Ψ per step: reduce to the owner, send the matrix back
                           check_balance            Newton-Schulz work of the busiest rank vs the mean
+    10 capstone           check_losses             the training loop's first losses vs one process (SGD and AdamW)
+                          check_data               each rank runs its slice of the global batch, in micro-batches
+                          check_resume             killed after step k, resumed on another N: the same losses
 
 (The names the notebooks called before, e.g. check_zero1_numerics, check_matches_adamw, and
 the `kind=` argument for `model=`, still work for a term: each module aliases them.)
