@@ -18,6 +18,10 @@ The stages are the course's, in PyTorch's shapes, with torch.optim.AdamW:
     1  zerokit.ZeRO1(params, AdamW)                 (ZeroRedundancyOptimizer)
     2  zerokit.ZeRO2(params, AdamW)                 (FSDP2, no reshard after forward)
     3  zerokit.FullyShard(model, units=blocks)      (FSDP2 fully_shard)
+--optimizer muon puts the blocks' matrices under Muon (lesson 09: torch.optim.Muon at stage 0,
+zerokit.ZeRO1Muon at stage 1, each matrix owned whole by one rank) and the rest under AdamW;
+ZeRO-2/3 cut the gradients into flat shards and refuse it. --recompute keeps only each
+block's input and recomputes the rest in backward (zerokit.checkpoint_modules, lesson 08).
 --precision bf16 computes in bfloat16: autocast for stage 0, zerokit.MixedPrecision (16-bit
 weights, fp32 masters, gradients reduced in fp32) for 1 and 2, FullyShard's compute_dtype for 3.
 
@@ -89,6 +93,11 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--clip", type=float, default=None, help="clip the gradient's global norm to this")
+    p.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
+                   help="muon: Muon on the blocks' matrices (lesson 09; at stage 1 zerokit.ZeRO1Muon, each matrix "
+                        "owned whole by one rank), AdamW on the rest; stages 0 and 1 only")
+    p.add_argument("--recompute", action="store_true",
+                   help="recompute each block's activations in backward (zerokit.checkpoint_modules, lesson 08)")
     p.add_argument("--data-mb", type=float, default=2.0, help="MiB of standard-library source to train on")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--checkpoint-every", type=int, default=0, help="save every this many steps (0: never)")
@@ -120,6 +129,16 @@ def parse_args(argv=None):
         # zerokit.checkpoint reads and writes zerokit's shards; the peers are here to be timed
         p.error("--impl torch runs PyTorch's DDP/ZeroRedundancyOptimizer/fully_shard, which zerokit.checkpoint "
                 "does not save: leave out --checkpoint-every and --resume")
+    if args.optimizer == "muon":
+        # Muon orthogonalises each matrix's whole update: ZeRO-2/3 cut gradients and weights into flat
+        # shards, so a rank never holds a whole matrix's gradient to give it (lesson 09)
+        if args.stage not in (0, 1) or args.impl == "torch":
+            p.error("--optimizer muon runs at --stage 0 (DataParallel + torch.optim.Muon) or 1 (zerokit.ZeRO1Muon): "
+                    "Muon needs each matrix's whole gradient, which ZeRO-2/3's flat shards cut (lesson 09)")
+        if args.stage == 1 and (args.clip is not None or args.precision != "fp32"):
+            p.error("--optimizer muon at --stage 1 takes neither --clip (ZeRO1Muon reduces the gradients inside "
+                    "step(): there is no mean gradient before it to clip) nor --precision bf16 (its matrices stay "
+                    "fp32): use --stage 0")
     if args.warmup < 0 or args.sample_bytes < 0:
         p.error("--warmup and --sample-bytes cannot be negative")
     return args
@@ -178,8 +197,12 @@ def build(args, world_size):
     model = TinyTransformer(vocab=256, dim=args.dim, n_layers=args.layers, n_heads=args.heads,
                             seq_len=args.seq_len)
     n = sum(p.numel() for p in model.parameters())  # before any wrapper shards them
+    if args.recompute:  # before any wrapper: the blocks themselves keep only their inputs
+        zerokit.checkpoint_modules(model.blocks)
     hyper = dict(lr=args.lr, weight_decay=args.weight_decay)
     bf16 = args.precision == "bf16"
+    if args.optimizer == "muon":
+        return (*build_muon(args, model, hyper), n)
     if args.impl == "torch":
         from zerokit.bench.train_peers import build_peer
 
@@ -194,6 +217,54 @@ def build(args, world_size):
     blocks = list(model.blocks)
     model = zerokit.FullyShard(model, units=blocks, compute_dtype=torch.bfloat16 if bf16 else None)
     return model, torch.optim.AdamW(model.parameters(), **hyper), n
+
+
+class Optimizers:
+    """Several optimizers stepped and zeroed as one (--optimizer muon: Muon on the blocks' matrices,
+    AdamW on the rest, as torch.optim.Muon's documentation pairs them). zerokit.checkpoint saves one
+    optimizer: a checkpoint holds one part per optimizer, in a folder named after it."""
+
+    def __init__(self, **parts):
+        self.parts = parts
+
+    def step(self):
+        for opt in self.parts.values():
+            opt.step()
+
+    def zero_grad(self, set_to_none=True):
+        for opt in self.parts.values():
+            opt.zero_grad(set_to_none=set_to_none)
+
+    @property
+    def state(self):  # for the memory table: every part's per-parameter state
+        return {p: s for opt in self.parts.values() for p, s in opt.state.items()}
+
+    def memory_categories(self):
+        out = {}
+        for opt in self.parts.values():
+            for cat, tensors in getattr(opt, "memory_categories", dict)().items():
+                out.setdefault(cat, []).extend(tensors)
+        return out
+
+
+def parts(opt):
+    """[(folder in a checkpoint, optimizer)]: the optimizer itself at the top, or each part of Optimizers."""
+    return list(opt.parts.items()) if isinstance(opt, Optimizers) else [("", opt)]
+
+
+def build_muon(args, model, hyper):
+    """(model, Optimizers) for --optimizer muon. Muon's learning rate is matched to AdamW's update
+    size (adjust_lr_fn="match_rms_adamw", Moonlight's rule), so one --lr serves both."""
+    import zerokit
+
+    matrices = [p for p in model.blocks.parameters() if p.dim() == 2]
+    rest = [p for p in model.parameters() if not any(p is m for m in matrices)]
+    muon = dict(hyper, adjust_lr_fn="match_rms_adamw")
+    if args.stage == 0:
+        model = zerokit.DataParallel(model)
+        return model, Optimizers(muon=torch.optim.Muon(matrices, **muon), adamw=torch.optim.AdamW(rest, **hyper))
+    return model, Optimizers(muon=zerokit.ZeRO1Muon(matrices, **muon),
+                             adamw=zerokit.ZeRO1(rest, torch.optim.AdamW, **hyper))
 
 
 def train_step(args, model, opt, train_text, step, rows, autocast):
@@ -254,7 +325,8 @@ def checkpoints(directory):
     found = []
     for path in Path(directory).glob("step*"):
         m = re.fullmatch(r"step(\d+)", path.name)
-        if m and (path / "COMPLETE").exists() and (path / "train.json").exists():
+        complete = (path / "COMPLETE").exists() or any((part / "COMPLETE").exists() for part in path.glob("*/"))
+        if m and complete and (path / "train.json").exists():
             found.append((int(m.group(1)), path))
     return [path for _, path in sorted(found)]
 
@@ -291,7 +363,8 @@ def resume(args, model, opt, text_sum, world_size, restarts):
     if saved["step"] > args.steps:
         raise ValueError(f"{found} is at step {saved['step']}, past --steps {args.steps}: give --steps "
                          f"{saved['step']} or more to go on from it")
-    zerokit.checkpoint.load(found, model, opt)
+    for folder, part in parts(opt):
+        zerokit.checkpoint.load(found / folder, model, part)
     return saved["step"], (f"resumed from {found} at step {saved['step']} (saved on N = "
                            f"{saved.get('world_size', '?')}, running on N = {world_size})")
 
@@ -300,7 +373,8 @@ def save_checkpoint(args, model, opt, step, rank, world_size, text_sum):
     import zerokit.checkpoint
 
     path = args.checkpoint_dir / f"step{step}"
-    zerokit.checkpoint.save(path, model, opt)
+    for folder, part in parts(opt):
+        zerokit.checkpoint.save(path / folder, model, part)
     if rank == 0:  # the data position, beside the weights and optimizer state (see checkpoints())
         (path / "train.json").write_text(json.dumps({"step": step, "world_size": world_size,
                                                      "text_crc32": text_sum,
@@ -359,6 +433,9 @@ def report_memory(mine, args, world_size, n_params, step):
         lines.append(f"{f'rank {r}':>8}" + "".join(f"{format_bytes(got[c]):>18}" for c in cols)
                      + f"{format_bytes(sum(got[c] for c in cols)):>18}")
     lines.append(f"{'theory':>8}" + "".join(f"{format_bytes(theory[c]):>18}" for c in cols + ("total",)))
+    if args.optimizer == "muon":
+        lines.append("  (theory: AdamW's 8 bytes of state per parameter; Muon keeps 4 on its matrices, a momentum, "
+                     "and at stage 1 each on the rank that owns it: the measured state is below the line)")
     if precision == "mixed":
         lines.append("  (theory: 2 + 2 + 12 bytes per parameter; gradients reduced in fp32 hold 4, and an fp32 "
                      "shard that is its own master counts as parameters)")
