@@ -42,14 +42,30 @@ def _split(model):
     return matrices, rest
 
 
-def _train(rank, world_size, sharded, same_data):
-    torch.manual_seed(0)
+def _build(sharded, seed=0):
+    """The zoo's transformer with Muon on its block matrices and AdamW on the rest: zerokit's
+    ZeRO-1 pair (sharded) or torch's own (one process)."""
+    torch.manual_seed(seed)
     model = build_model("transformer")
     matrices, rest = _split(model)
     if sharded:
-        muon, adam = zerokit.ZeRO1Muon(matrices, **MUON), zerokit.ZeRO1Adam(rest, **ADAMW)
-    else:
-        muon, adam = torch.optim.Muon(matrices, **MUON), torch.optim.AdamW(rest, **ADAMW)
+        return model, zerokit.ZeRO1Muon(matrices, **MUON), zerokit.ZeRO1Adam(rest, **ADAMW)
+    return model, torch.optim.Muon(matrices, **MUON), torch.optim.AdamW(rest, **ADAMW)
+
+
+def _steps(model, optimizers, steps):
+    """Steps on the whole batch of each step, the same on every rank."""
+    for step in steps:
+        x, y = model_batch("transformer", BATCH, seed=step)
+        model_loss("transformer", model(x), y).backward()
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad()
+
+
+def _train(rank, world_size, sharded, same_data):
+    model, muon, adam = _build(sharded)
+    matrices, _ = _split(model)
     out = []
     for step in range(STEPS):
         x, y = model_batch("transformer", BATCH, seed=step)
@@ -180,16 +196,8 @@ def _owned_momentum(model, muon):
 
 def _save_at(rank, world_size, directory):
     """Three steps of ZeRO1Muon + ZeRO1Adam, every rank on the same batch; one checkpoint per optimizer."""
-    torch.manual_seed(0)
-    model = build_model("transformer")
-    matrices, rest = _split(model)
-    muon, adam = zerokit.ZeRO1Muon(matrices, **MUON), zerokit.ZeRO1Adam(rest, **ADAMW)
-    for step in range(3):
-        x, y = model_batch("transformer", BATCH, seed=step)
-        model_loss("transformer", model(x), y).backward()
-        for opt in (muon, adam):
-            opt.step()
-            opt.zero_grad()
+    model, muon, adam = _build(True)
+    _steps(model, (muon, adam), range(3))
     zerokit.checkpoint.save(directory / "muon", model, muon)
     zerokit.checkpoint.save(directory / "adam", model, adam)
     return _owned_momentum(model, muon), {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -197,22 +205,11 @@ def _save_at(rank, world_size, directory):
 
 def _load_and_go_on(rank, world_size, directory, sharded):
     """Another model (seed 1), loaded from the checkpoints; its momentum now, then two more steps."""
-    torch.manual_seed(1)
-    model = build_model("transformer")
-    matrices, rest = _split(model)
-    if sharded:
-        muon, adam = zerokit.ZeRO1Muon(matrices, **MUON), zerokit.ZeRO1Adam(rest, **ADAMW)
-    else:
-        muon, adam = torch.optim.Muon(matrices, **MUON), torch.optim.AdamW(rest, **ADAMW)
+    model, muon, adam = _build(sharded, seed=1)
     zerokit.checkpoint.load(directory / "muon", model, muon)
     zerokit.checkpoint.load(directory / "adam", model, adam)
     loaded = _owned_momentum(model, muon), {n: p.detach().clone() for n, p in model.named_parameters()}
-    for step in range(3, 5):
-        x, y = model_batch("transformer", BATCH, seed=step)
-        model_loss("transformer", model(x), y).backward()
-        for opt in (muon, adam):
-            opt.step()
-            opt.zero_grad()
+    _steps(model, (muon, adam), range(3, 5))
     return loaded, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
