@@ -476,6 +476,7 @@ def show_sample(model, args, step, rank):
 def label(result):
     impl = "torch peer" if result.get("impl") == "torch" else "zerokit"
     text = f"stage {result['stage']} {impl}, N = {result['world_size']}, {result['precision']}"
+    text += ", Muon + AdamW" if result.get("optimizer") == "muon" else ""
     return text + (f" (resumed at step {result['start']})" if result.get("start") else "")
 
 
@@ -574,7 +575,8 @@ def train(rank, world_size, args):
     # every rank's last collectives (evaluate's all-gathers under ZeRO-3) are over before rank 0
     # alone goes on to write files and the others tear their process groups down
     dist.barrier()
-    result = {"stage": args.stage, "impl": args.impl, "precision": args.precision, "world_size": world_size,
+    result = {"stage": args.stage, "impl": args.impl, "precision": args.precision, "optimizer": args.optimizer,
+              "recompute": args.recompute, "world_size": world_size,
               "start": start, "batch": args.batch, "seq_len": args.seq_len,
               "tokens_per_step": args.batch * args.seq_len, "losses": losses, "val_loss": val,
               "tokens_per_s": tokens / seconds if seconds else None, "step_seconds": step_seconds,
