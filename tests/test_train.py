@@ -18,6 +18,8 @@ sequences of 32 bytes, fp32 unless said:
   position), and the mismatches it refuses;
 - PyTorch's peers (--impl torch: DDP, DDP + ZeroRedundancyOptimizer, fully_shard without and
   with resharding) follow zerokit's curve at N = 2;
+- fp16 at every stage within 2% of fp32, its loss scale carried by a checkpoint; an overflow on
+  one rank makes every rank skip and halve its scale;
 - --optimizer muon: ZeRO1Muon on 2 ranks follows torch.optim.Muon on one (to 1e-3: Newton-Schulz
   in bfloat16), and its checkpoint resumes at stage 0 on one rank; --recompute saves under half the
   activations and changes no loss; Muon where a stage cannot run it is refused.
@@ -293,3 +295,44 @@ def test_recomputation_changes_no_loss_and_muon_where_it_cannot_run_is_refused(c
         with pytest.raises(SystemExit):
             parse_args(["--optimizer", "muon", *extra])
         assert "--optimizer muon" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(240)
+def test_fp16_with_its_loss_scale_stays_within_two_percent_of_fp32(tmp_path):
+    """fp16 at every stage: ZeRO1/ZeRO2 scale the loss themselves (MixedPrecision("fp16")), stages 0
+    and 3 through the script's LossScaling; a scale of 2^16 on a model this small overflows nothing.
+    Stage 3's checkpoint carries its loss scale, and a resume on one rank goes on from it."""
+    fp32 = _losses(run_ranks(_runs, 1, [["--stage", "0"]])[0][0])
+    saving = ["--checkpoint-every", "2", "--checkpoint-dir", str(tmp_path)]
+    configs = [["--stage", str(s), "--precision", "fp16"] + (saving if s == 3 else []) for s in range(4)]
+    for stage, result in enumerate(run_ranks(_runs, 2, configs)[0]):
+        got = _losses(result)
+        assert abs(sum(got) / len(got) - sum(fp32) / len(fp32)) <= 0.02 * sum(fp32) / len(fp32), (stage, got, fp32)
+        assert result["skipped_steps"] == 0, (stage, result["skipped_steps"])
+    assert json.loads((tmp_path / "step2" / "train.json").read_text())["loss_scaling"] == [2.0**16, 2, 0]
+    (tmp_path / "step4").rename(tmp_path / "later")
+    resumed = run_ranks(_runs, 1, [configs[3] + ["--resume"]])[0][0]
+    assert resumed["start"] == 2 and abs(_losses(resumed)[-1] - got[-1]) <= 0.02 * got[-1], (_losses(resumed), got)
+
+
+def _overflow_on_one_rank(rank, world_size):
+    """LossScaling when only rank 1's gradient holds an inf: both ranks skip, both halve their scale."""
+    import torch
+
+    from zerokit.train import LossScaling
+
+    scaling = LossScaling()
+    model = torch.nn.Linear(2, 2)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 4.0 * scaling.scaler.scale)
+    model.weight.grad[0, 0] = float("inf") if rank == 1 else 1.0
+    went_on = scaling.unscale_and_check(model)
+    return went_on, scaling.state(), float(model.bias.grad[0])
+
+
+@pytest.mark.timeout(60)
+def test_an_overflow_on_one_rank_makes_every_rank_skip_and_back_off():
+    (went0, state0, bias0), (went1, state1, _) = run_ranks(_overflow_on_one_rank, 2)
+    assert not went0 and not went1  # rank 0's gradients were finite: it skips all the same
+    assert state0 == state1 == [2.0**15, 0, 1]
+    assert bias0 == 4.0  # unscaled: divided by the scale the loss was multiplied by

@@ -24,6 +24,9 @@ ZeRO-2/3 cut the gradients into flat shards and refuse it. --recompute keeps onl
 block's input and recomputes the rest in backward (zerokit.checkpoint_modules, lesson 08).
 --precision bf16 computes in bfloat16: autocast for stage 0, zerokit.MixedPrecision (16-bit
 weights, fp32 masters, gradients reduced in fp32) for 1 and 2, FullyShard's compute_dtype for 3.
+--precision fp16 the same in float16, with lesson 06's dynamic loss scale: inside ZeRO1/ZeRO2
+(MixedPrecision("fp16")) at stages 1 and 2, around the plain AdamW at 0 and 3 (LossScaling);
+either way an inf or nan on any rank makes every rank skip the step.
 
 The batch of step s is a function of (seed, s) alone: --batch sequences drawn from the text,
 split evenly over the ranks (and over --accum micro-batches on each). So a run on any
@@ -82,7 +85,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m zerokit.train", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--stage", type=int, choices=STAGES, default=3)
-    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
     p.add_argument("--steps", type=int, default=200, help="optimizer steps in all (a resumed run included)")
     p.add_argument("--batch", type=int, default=16, help="sequences per step, all ranks together")
     p.add_argument("--accum", type=int, default=1, help="micro-batches per step on each rank")
@@ -129,6 +132,8 @@ def parse_args(argv=None):
         # zerokit.checkpoint reads and writes zerokit's shards; the peers are here to be timed
         p.error("--impl torch runs PyTorch's DDP/ZeroRedundancyOptimizer/fully_shard, which zerokit.checkpoint "
                 "does not save: leave out --checkpoint-every and --resume")
+    if args.precision == "fp16" and args.impl == "torch":
+        p.error("--precision fp16 needs a loss scaler, which the PyTorch peers here do not bring: use bf16")
     if args.optimizer == "muon":
         # Muon orthogonalises each matrix's whole update: ZeRO-2/3 cut gradients and weights into flat
         # shards, so a rank never holds a whole matrix's gradient to give it (lesson 09)
@@ -137,7 +142,7 @@ def parse_args(argv=None):
                     "Muon needs each matrix's whole gradient, which ZeRO-2/3's flat shards cut (lesson 09)")
         if args.stage == 1 and (args.clip is not None or args.precision != "fp32"):
             p.error("--optimizer muon at --stage 1 takes neither --clip (ZeRO1Muon reduces the gradients inside "
-                    "step(): there is no mean gradient before it to clip) nor --precision bf16 (its matrices stay "
+                    "step(): there is no mean gradient before it to clip) nor a 16-bit --precision (its matrices stay "
                     "fp32): use --stage 0")
     if args.warmup < 0 or args.sample_bytes < 0:
         p.error("--warmup and --sample-bytes cannot be negative")
@@ -200,7 +205,8 @@ def build(args, world_size):
     if args.recompute:  # before any wrapper: the blocks themselves keep only their inputs
         zerokit.checkpoint_modules(model.blocks)
     hyper = dict(lr=args.lr, weight_decay=args.weight_decay)
-    bf16 = args.precision == "bf16"
+    bf16 = args.precision == "bf16"  # the torch peers' one 16-bit format (fp16 is refused for them)
+    half = HALF.get(args.precision)
     if args.optimizer == "muon":
         return (*build_muon(args, model, hyper), n)
     if args.impl == "torch":
@@ -211,11 +217,12 @@ def build(args, world_size):
         model = zerokit.DataParallel(model)
         return model, torch.optim.AdamW(model.parameters(), **hyper), n
     if args.stage in (1, 2):
-        precision = zerokit.MixedPrecision("bf16", reduce_dtype=torch.float32) if bf16 else None
+        # fp16: MixedPrecision scales the loss itself (lesson 06's dynamic scaler, its verdict all-reduced)
+        precision = zerokit.MixedPrecision(half, reduce_dtype=torch.float32) if half else None
         cls = zerokit.ZeRO1 if args.stage == 1 else zerokit.ZeRO2
         return model, cls(model.parameters(), torch.optim.AdamW, precision=precision, **hyper), n
     blocks = list(model.blocks)
-    model = zerokit.FullyShard(model, units=blocks, compute_dtype=torch.bfloat16 if bf16 else None)
+    model = zerokit.FullyShard(model, units=blocks, compute_dtype=half)
     return model, torch.optim.AdamW(model.parameters(), **hyper), n
 
 
@@ -267,9 +274,65 @@ def build_muon(args, model, hyper):
                              adamw=zerokit.ZeRO1(rest, torch.optim.AdamW, **hyper))
 
 
-def train_step(args, model, opt, train_text, step, rows, autocast):
+HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class LossScaling:
+    """fp16 at stages 0 and 3, whose optimizer is a plain torch one: lesson 06's dynamic loss scale
+    (zerokit.mixed_precision.LossScaler) around it. After backward the gradients (fp32: DataParallel's
+    replicated mean, FullyShard's reduced shards) are divided by the scale, and one all-reduce of a
+    flag tells every rank whether any rank saw an inf or nan: then every rank skips the step and the
+    scale halves, so the ranks' scales and weights never part. (Stages 1 and 2 do the same inside
+    zerokit.ZeRO1/ZeRO2 with MixedPrecision("fp16").)"""
+
+    def __init__(self):
+        from zerokit.mixed_precision import LossScaler
+
+        self.scaler = LossScaler()
+
+    def load(self, state):
+        """From a checkpoint's train.json: a resumed run goes on with the scale it had."""
+        self.scaler.scale, self.scaler.clean_steps, self.scaler.skipped_steps = state
+
+    def state(self):
+        return [self.scaler.scale, self.scaler.clean_steps, self.scaler.skipped_steps]
+
+    def scale(self, loss):
+        return loss * self.scaler.scale
+
+    @torch.no_grad()
+    def unscale_and_check(self, model):
+        """Divide the gradients by the scale; True when every rank's are finite (the step may go on)."""
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        for g in grads:
+            g.div_(self.scaler.scale)  # a power of two: exact
+        bad = torch.tensor([float(any(not torch.isfinite(g).all() for g in grads))])
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        self.scaler.update(bool(bad.item()))
+        return not bad.item()
+
+
+def loss_scaling(args):
+    """A LossScaling where this job needs one of its own (fp16, stage 0 or 3), else None."""
+    return LossScaling() if args.precision == "fp16" and args.stage in (0, 3) else None
+
+
+def skipped_steps(opt, scaler):
+    """Steps an fp16 loss scale skipped (an inf or nan on some rank), or None without one."""
+    inner = getattr(getattr(opt, "precision", None), "scaler", None)  # ZeRO1/ZeRO2's MixedPrecision("fp16")
+    found = scaler.scaler if scaler is not None else inner
+    return None if found is None else found.skipped_steps
+
+
+def autocast_for(args):
+    """torch.autocast in the job's 16-bit dtype where the stage computes under it (uses_autocast), else off."""
+    return torch.autocast("cpu", dtype=HALF.get(args.precision, torch.bfloat16), enabled=uses_autocast(args))
+
+
+def train_step(args, model, opt, train_text, step, rows, autocast, scaler=None):
     """Forward, backward (over --accum micro-batches), clipping and opt.step() of `step` on this
-    rank's `rows` of the global batch; the rank's mean loss. The caller zeroes the gradients."""
+    rank's `rows` of the global batch; the rank's mean loss. The caller zeroes the gradients.
+    scaler: fp16's LossScaling at stages 0 and 3 (a step with an inf or nan on some rank is skipped)."""
     x, y = global_batch(train_text, step, args.batch, args.seq_len, args.seed)
     x, y = x[rows], y[rows]
     total = torch.zeros(())
@@ -278,8 +341,15 @@ def train_step(args, model, opt, train_text, step, rows, autocast):
         with autocast:
             logits = model(xs)
         loss = F.cross_entropy(logits.float().reshape(-1, 256), ys.reshape(-1))
-        (loss / args.accum).backward()
+        scaled = loss / args.accum
+        if scaler is not None:
+            scaled = scaler.scale(scaled)
+        elif hasattr(opt, "scale_loss"):  # zerokit.ZeRO1/ZeRO2: the loss scale of MixedPrecision("fp16"), or 1
+            scaled = opt.scale_loss(scaled)
+        scaled.backward()
         total += loss.detach() / args.accum
+    if scaler is not None and not scaler.unscale_and_check(model):
+        return total  # an overflow on some rank: every rank skips this step
     if args.clip is not None:
         clip_(args, model, opt)
     opt.step()
@@ -287,10 +357,10 @@ def train_step(args, model, opt, train_text, step, rows, autocast):
 
 
 def uses_autocast(args):
-    """bf16 by torch.autocast: zerokit's stage 0 and the DDP-based peers (stages 0 and 1), whose
+    """16 bits by torch.autocast: zerokit's stage 0 and the DDP-based peers (stages 0 and 1), whose
     weights stay fp32; the other stages hold 16-bit weights themselves (MixedPrecision, compute_dtype,
     FSDP2's MixedPrecisionPolicy)."""
-    return args.precision == "bf16" and (args.stage == 0 or (args.impl == "torch" and args.stage == 1))
+    return args.precision != "fp32" and (args.stage == 0 or (args.impl == "torch" and args.stage == 1))
 
 
 def clip_(args, model, opt):
@@ -336,7 +406,7 @@ def last_checkpoint(directory):
     return done[-1] if done else None
 
 
-def resume(args, model, opt, text_sum, world_size, restarts):
+def resume(args, model, opt, text_sum, world_size, restarts, scaler=None):
     """(step to start at, what to tell the user or None). Under --resume the last checkpoint is
     loaded into model and opt (a collective) when there is one; otherwise the run starts at 0."""
     import zerokit.checkpoint
@@ -365,11 +435,13 @@ def resume(args, model, opt, text_sum, world_size, restarts):
                          f"{saved['step']} or more to go on from it")
     for folder, part in parts(opt):
         zerokit.checkpoint.load(found / folder, model, part)
+    if scaler is not None and saved.get("loss_scaling"):
+        scaler.load(saved["loss_scaling"])
     return saved["step"], (f"resumed from {found} at step {saved['step']} (saved on N = "
                            f"{saved.get('world_size', '?')}, running on N = {world_size})")
 
 
-def save_checkpoint(args, model, opt, step, rank, world_size, text_sum):
+def save_checkpoint(args, model, opt, step, rank, world_size, text_sum, scaler=None):
     import zerokit.checkpoint
 
     path = args.checkpoint_dir / f"step{step}"
@@ -378,6 +450,7 @@ def save_checkpoint(args, model, opt, step, rank, world_size, text_sum):
     if rank == 0:  # the data position, beside the weights and optimizer state (see checkpoints())
         (path / "train.json").write_text(json.dumps({"step": step, "world_size": world_size,
                                                      "text_crc32": text_sum,
+                                                     "loss_scaling": scaler.state() if scaler else None,
                                                      **{k: getattr(args, k) for k in DATA_KEYS}}))
     dist.barrier()
 
@@ -423,7 +496,7 @@ def report_memory(mine, args, world_size, n_params, step):
     dist.all_gather_object(everyone, mine)
     if dist.get_rank() != 0:
         return everyone
-    precision = "mixed" if args.precision == "bf16" and not uses_autocast(args) else "fp32"
+    precision = "mixed" if args.precision != "fp32" and not uses_autocast(args) else "fp32"
     theory = theory_bytes(n_params, THEORY_STAGE[args.stage], world_size, precision)
     cols = ("parameters", "gradients", "optimizer_states")
     lines = [f"model state per rank after step {step} (zerokit.memory.census), beside "
@@ -530,7 +603,8 @@ def train(rank, world_size, args):
     kill_at = kill_point(rank, restarts)
     train_text, val_text, text_sum = texts(args)
     model, opt, n_params = build(args, world_size)
-    start, said = resume(args, model, opt, text_sum, world_size, restarts)
+    scaler = loss_scaling(args)
+    start, said = resume(args, model, opt, text_sum, world_size, restarts, scaler)
     if rank == 0 and said:  # said even when --quiet: where a run starts is never a detail
         print((f"torchrun restart {restarts}: " if restarts else "") + said, flush=True)
     samples, memory = {}, None
@@ -544,10 +618,10 @@ def train(rank, world_size, args):
     step_seconds = []  # each timed step's, for a median that a busy machine's bursts do not move
     bar = progress(steps, desc=f"stage {args.stage}{' torch' if args.impl == 'torch' else ''}, N = {world_size}") \
         if rank == 0 and not args.quiet else steps
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=uses_autocast(args))
+    autocast = autocast_for(args)
     for step in bar:
         t = time.perf_counter()
-        total = train_step(args, model, opt, train_text, step, rows, autocast)
+        total = train_step(args, model, opt, train_text, step, rows, autocast, scaler)
         if step == start and not args.quiet:  # the gradients are still there: every category is full
             busy = time.perf_counter() - t
             memory = report_memory(model_state_bytes(model, opt), args, world_size, n_params, step + 1)
@@ -563,7 +637,7 @@ def train(rank, world_size, args):
             bar.set_postfix(loss=f"{losses[step + 1]:.3f}", refresh=False,
                             **({"tok_s": f"{tokens / seconds:.0f}"} if seconds else {}))
         if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
-            save_checkpoint(args, model, opt, step + 1, rank, world_size, text_sum)
+            save_checkpoint(args, model, opt, step + 1, rank, world_size, text_sum, scaler)
         if kill_at == step + 1:  # the injected fault: this rank dies as a killed process does, at once
             print(f"{KILL_ENV}: rank {rank} kills itself with SIGKILL after step {step + 1}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
@@ -577,6 +651,7 @@ def train(rank, world_size, args):
     dist.barrier()
     result = {"stage": args.stage, "impl": args.impl, "precision": args.precision, "optimizer": args.optimizer,
               "recompute": args.recompute, "world_size": world_size,
+              "skipped_steps": skipped_steps(opt, scaler),
               "start": start, "batch": args.batch, "seq_len": args.seq_len,
               "tokens_per_step": args.batch * args.seq_len, "losses": losses, "val_loss": val,
               "tokens_per_s": tokens / seconds if seconds else None, "step_seconds": step_seconds,

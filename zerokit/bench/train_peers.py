@@ -93,7 +93,7 @@ def rotation(rank, world_size, stage, train_args, threads):
     same batches; {impl: {"step_seconds": [...], "losses": {...}}} (rank 0's clock)."""
     import torch.distributed as dist
 
-    from zerokit.train import build, parse_args, texts, train_step, uses_autocast
+    from zerokit.train import autocast_for, build, parse_args, texts, train_step
 
     torch.set_num_threads(threads)
     args = {impl: parse_args(["--stage", str(stage), "--impl", impl, "--quiet", *train_args]) for impl in IMPLS}
@@ -107,7 +107,7 @@ def rotation(rank, world_size, stage, train_args, threads):
         # which system goes first alternates: neither always runs right after the other's step
         for impl in (IMPLS if step % 2 == 0 else IMPLS[::-1]):
             model, opt = systems[impl]
-            autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=uses_autocast(args[impl]))
+            autocast = autocast_for(args[impl])
             dist.barrier()  # every rank starts the step together: no rank's lag is charged to the other system
             t = time.perf_counter()
             total = train_step(args[impl], model, opt, train_text, step, rows, autocast)
