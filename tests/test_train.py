@@ -18,6 +18,7 @@ sequences of 32 bytes, fp32 unless said:
   position), and the mismatches it refuses;
 - PyTorch's peers (--impl torch: DDP, DDP + ZeroRedundancyOptimizer, fully_shard without and
   with resharding) follow zerokit's curve at N = 2;
+- --offload disk (the lessons' ZeRO1Adam/ZeRO2Adam/ZeRO3Adam) follows the wrappers' curve at stages 1-3;
 - fp16 at every stage within 2% of fp32, its loss scale carried by a checkpoint; an overflow on
   one rank makes every rank skip and halve its scale;
 - --optimizer muon: ZeRO1Muon on 2 ranks follows torch.optim.Muon on one (to 1e-3: Newton-Schulz
@@ -336,3 +337,16 @@ def test_an_overflow_on_one_rank_makes_every_rank_skip_and_back_off():
     assert not went0 and not went1  # rank 0's gradients were finite: it skips all the same
     assert state0 == state1 == [2.0**15, 0, 1]
     assert bias0 == 4.0  # unscaled: divided by the scale the loss was multiplied by
+
+
+@pytest.mark.timeout(240)
+def test_offloaded_state_follows_the_same_curve(capsys):
+    """--offload disk: AdamW's state in memory-mapped files, through the lessons' classes (zerokit's
+    Adam is torch's AdamW bit for bit, and the files hold fp32 exactly): the wrappers' curve, at 1e-5."""
+    reference = _losses(run_ranks(_runs, 1, [["--stage", "0", "--clip", "1"]])[0][0])
+    for stage, result in enumerate(run_ranks(_runs, 2, [["--stage", str(s), "--offload", "disk", "--clip", "1"]
+                                                         for s in (1, 2, 3)])[0], start=1):
+        assert _close(_losses(result), reference), (stage, _losses(result), reference)
+    with pytest.raises(SystemExit):
+        parse_args(["--stage", "0", "--offload", "disk"])
+    assert "--offload streams" in capsys.readouterr().err

@@ -24,6 +24,8 @@ ZeRO-2/3 cut the gradients into flat shards and refuse it. --recompute keeps onl
 block's input and recomputes the rest in backward (zerokit.checkpoint_modules, lesson 08).
 --precision bf16 computes in bfloat16: autocast for stage 0, zerokit.MixedPrecision (16-bit
 weights, fp32 masters, gradients reduced in fp32) for 1 and 2, FullyShard's compute_dtype for 3.
+--offload disk|cpu keeps AdamW's state off the device (lesson 08) through the lessons' own classes,
+ZeRO1Adam/ZeRO2Adam/ZeRO3Adam (AdamW bit for bit), at stages 1-3.
 --precision fp16 the same in float16, with lesson 06's dynamic loss scale: inside ZeRO1/ZeRO2
 (MixedPrecision("fp16")) at stages 1 and 2, around the plain AdamW at 0 and 3 (LossScaling);
 either way an inf or nan on any rank makes every rank skip the step.
@@ -99,6 +101,9 @@ def parse_args(argv=None):
     p.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
                    help="muon: Muon on the blocks' matrices (lesson 09; at stage 1 zerokit.ZeRO1Muon, each matrix "
                         "owned whole by one rank), AdamW on the rest; stages 0 and 1 only")
+    p.add_argument("--offload", choices=("disk", "cpu"), default=None,
+                   help="keep AdamW's state off the device (lesson 08: zerokit.offload, the lessons' ZeRO1Adam/"
+                        "ZeRO2Adam/ZeRO3Adam, which are AdamW bit for bit); stages 1-3; cpu needs CUDA parameters")
     p.add_argument("--recompute", action="store_true",
                    help="recompute each block's activations in backward (zerokit.checkpoint_modules, lesson 08)")
     p.add_argument("--data-mb", type=float, default=2.0, help="MiB of standard-library source to train on")
@@ -134,6 +139,9 @@ def parse_args(argv=None):
                 "does not save: leave out --checkpoint-every and --resume")
     if args.precision == "fp16" and args.impl == "torch":
         p.error("--precision fp16 needs a loss scaler, which the PyTorch peers here do not bring: use bf16")
+    if args.offload and (args.stage == 0 or args.impl == "torch" or args.optimizer == "muon"):
+        p.error("--offload streams a ZeRO stage's own AdamW state (lesson 08): --stage 1, 2 or 3, with AdamW, "
+                "not --impl torch")
     if args.optimizer == "muon":
         # Muon orthogonalises each matrix's whole update: ZeRO-2/3 cut gradients and weights into flat
         # shards, so a rank never holds a whole matrix's gradient to give it (lesson 09)
@@ -209,6 +217,13 @@ def build(args, world_size):
     half = HALF.get(args.precision)
     if args.optimizer == "muon":
         return (*build_muon(args, model, hyper), n)
+    if args.offload:  # the lessons' classes: AdamW with its state where lesson 08 puts it
+        precision = zerokit.MixedPrecision(half, reduce_dtype=torch.float32) if half else None
+        if args.stage == 3:
+            return model, zerokit.ZeRO3Adam(model, units=list(model.blocks), precision=precision,
+                                            offload=args.offload, **hyper), n
+        cls = zerokit.ZeRO1Adam if args.stage == 1 else zerokit.ZeRO2Adam
+        return model, cls(model.parameters(), precision=precision, offload=args.offload, **hyper), n
     if args.impl == "torch":
         from zerokit.bench.train_peers import build_peer
 
@@ -314,7 +329,8 @@ class LossScaling:
 
 def loss_scaling(args):
     """A LossScaling where this job needs one of its own (fp16, stage 0 or 3), else None."""
-    return LossScaling() if args.precision == "fp16" and args.stage in (0, 3) else None
+    own = args.stage in (0, 3) and not args.offload  # the lessons' ZeRO3Adam scales its loss itself
+    return LossScaling() if args.precision == "fp16" and own else None
 
 
 def skipped_steps(opt, scaler):
@@ -370,7 +386,7 @@ def clip_(args, model, opt):
         # DDP's gradients are the replicated mean and FSDP2's are DTensor shards: torch's clip knows both
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-    if args.stage in (1, 2):
+    if args.stage in (1, 2) or args.offload:  # zerokit's ZeRO optimizers clip their own reduced shards
         return float(opt.clip_grad_norm_(args.clip))
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     sq = torch.stack([g.float().pow(2).sum() for g in grads]).sum() if grads else torch.zeros(())
