@@ -294,16 +294,17 @@ HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 class LossScaling:
     """fp16 at stages 0 and 3, whose optimizer is a plain torch one: lesson 06's dynamic loss scale
-    (zerokit.mixed_precision.LossScaler) around it. After backward the gradients (fp32: DataParallel's
-    replicated mean, FullyShard's reduced shards) are divided by the scale, and one all-reduce of a
-    flag tells every rank whether any rank saw an inf or nan: then every rank skips the step and the
-    scale halves, so the ranks' scales and weights never part. (Stages 1 and 2 do the same inside
-    zerokit.ZeRO1/ZeRO2 with MixedPrecision("fp16").)"""
+    around it, through the same MixedPrecisionState that zerokit.ZeRO1/ZeRO2 hold for
+    MixedPrecision("fp16") at stages 1 and 2. After backward the gradients (fp32: DataParallel's
+    replicated mean, FullyShard's reduced shards) are divided by the scale in place, and one
+    all-reduce of a flag tells every rank whether any rank saw an inf or nan: then every rank skips
+    the step and the scale halves, so the ranks' scales and weights never part."""
 
     def __init__(self):
-        from zerokit.mixed_precision import LossScaler
+        from zerokit.mixed_precision import MixedPrecision, precision_state
 
-        self.scaler = LossScaler()
+        self.precision = precision_state(MixedPrecision("fp16"))
+        self.scaler = self.precision.scaler  # the LossScaler: its scale and counters
 
     def load(self, state):
         """From a checkpoint's train.json: a resumed run goes on with the scale it had."""
@@ -313,18 +314,14 @@ class LossScaling:
         return [self.scaler.scale, self.scaler.clean_steps, self.scaler.skipped_steps]
 
     def scale(self, loss):
-        return loss * self.scaler.scale
+        return self.precision.scale_loss(loss)
 
     @torch.no_grad()
     def unscale_and_check(self, model):
         """Divide the gradients by the scale; True when every rank's are finite (the step may go on)."""
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        for g in grads:
-            g.div_(self.scaler.scale)  # a power of two: exact
-        bad = torch.tensor([float(any(not torch.isfinite(g).all() for g in grads))])
-        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-        self.scaler.update(bool(bad.item()))
-        return not bad.item()
+        # fp32 gradients: fp32_gradients divides these very tensors (.float() of fp32 is itself)
+        self.precision.fp32_gradients([p.grad for p in model.parameters() if p.grad is not None])
+        return self.precision.should_step()
 
 
 def loss_scaling(args):
