@@ -4,12 +4,20 @@
   last unit first, a tied weight in the root unit);
 - `bucket_state` names where a bucket is (UnitState, as FSDP2's ShardedState): SHARDED at
   rest, GATHERING while its all-gather is in flight, GATHERED once installed, SHARDED again
-  after _free, on a unit prefetched and never used too.
+  after _free, on a unit prefetched and never used too;
+- one full-size transfer at a time (ShardedParameters._start_gather, ZeRO3Adam._before_send): on a
+  transformer with a unit per block, no reduce-scatter is in flight when a prefetch starts,
+  no gather is in flight when a reduce-scatter starts, and the unit being reduced is
+  already SHARDED; with *lazy* collectives (test doubles whose output is NaN until wait()
+  and whose input is read only at wait()), the numbers are bitwise those of the real ones,
+  so none of the earlier waits reads a buffer before its transfer is done.
 """
 
 import pytest
 import torch
 
+import zerokit.zero2
+import zerokit.zero3
 from conftest import run_ranks
 from zerokit.models import build_model, model_batch, model_loss
 from zerokit.zero3 import UnitState, ZeRO3Adam, bucket_plan, unit_list
@@ -50,3 +58,76 @@ def test_the_plan_is_the_layout_and_each_bucket_moves_through_named_states():
         assert seen == [UnitState.SHARDED, UnitState.GATHERING, UnitState.GATHERED, UnitState.SHARDED,
                         UnitState.SHARDED]
         assert at_rest == {UnitState.SHARDED}
+
+
+class _LazyWork:
+    def __init__(self, run):
+        self._run = run
+
+    def wait(self):
+        if self._run is not None:
+            run, self._run = self._run, None
+            run()
+        return True
+
+
+def _lazy(real, watch):
+    """A collective whose output is NaN until wait() and whose input is read only then;
+    watch(output, input) sees each asynchronous call as it is issued."""
+    def collective(output, input, *args, async_op=False, **kwargs):
+        if not async_op:
+            return real(output, input, *args, **kwargs)
+        watch(output, input)
+        output.fill_(float("nan"))
+        return _LazyWork(lambda: real(output, input, *args, **kwargs))
+    return collective
+
+
+def _one_transfer_at_a_time(rank, world_size, lazy):
+    real_gather, real_reduce = zerokit.zero3.all_gather, zerokit.zero2.reduce_scatter
+    seen, box = [], {}
+
+    def gathering(output, input):
+        opt = box["opt"]
+        seen.append(("gather", len(opt._in_flight), len(opt._gathering)))
+
+    def reducing(output, input):
+        opt = box["opt"]  # ZeRO-2's _send sets _next past the bucket after its reduce-scatter
+        seen.append(("reduce", len(opt._gathering), opt.bucket_state(opt._next).value))
+
+    if lazy:
+        zerokit.zero3.all_gather = _lazy(real_gather, gathering)
+        zerokit.zero2.reduce_scatter = _lazy(real_reduce, reducing)
+    try:
+        model = build_model("transformer")
+        opt = box["opt"] = ZeRO3Adam(model, lr=1e-2, weight_decay=0.1, units=list(model.blocks))
+        losses = []
+        for step in range(3):
+            x, y = model_batch("transformer", 4, 10 * step + rank)
+            loss = model_loss("transformer", model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        with opt.gathered():
+            weights = [p.detach().clone() for p in model.parameters()]
+    finally:
+        zerokit.zero3.all_gather, zerokit.zero2.reduce_scatter = real_gather, real_reduce
+    return losses, weights, seen
+
+
+@pytest.mark.timeout(120)
+def test_one_full_size_transfer_at_a_time_and_lazy_collectives_change_no_bit():
+    eager = run_ranks(_one_transfer_at_a_time, 2, False)
+    lazy = run_ranks(_one_transfer_at_a_time, 2, True)
+    for (losses, weights, _), (lazy_losses, lazy_weights, seen) in zip(eager, lazy):
+        assert losses == lazy_losses
+        assert all(torch.equal(a, b) for a, b in zip(weights, lazy_weights))
+        assert all(torch.isfinite(w).all() for w in lazy_weights)
+        gathers = [s for s in seen if s[0] == "gather"]
+        reduces = [s for s in seen if s[0] == "reduce"]
+        assert len(reduces) == 3 * 3 and len(gathers) >= 3 * 2 * 2  # two blocks and the root, each step
+        # a gather starts with no reduce-scatter and no other gather in flight
+        assert all(rs == 0 and ag == 0 for _, rs, ag in gathers), gathers
+        # a reduce-scatter starts with no gather in flight, its unit's weights already freed
+        assert all(g == 0 and state == "sharded" for _, g, state in reduces), reduces

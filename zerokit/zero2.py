@@ -195,7 +195,8 @@ class ZeRO2Adam(ZeRO1Adam):
     # At most this many buckets' flat gradients wait in transit; a further send first waits
     # for the oldest, so the full-size gradient copies alive stay bounded (not Psi by the end).
     # It waits before making its own copy: waiting after would hold one copy more at the peak
-    # (the bench's ZeRO-3 peak, N = 2: 1.13 times FSDP2's with the wait after, 1.08 before).
+    # (the bench's ZeRO-3 peak, N = 2: 1.13 times FSDP2's with the wait after, 1.08 before;
+    # ZeRO-3 also receives every transfer before each new all-gather: zero3.py, _start_gather).
     max_in_flight = 2
 
     @contextmanager

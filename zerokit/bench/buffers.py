@@ -23,7 +23,10 @@ def buffer_bytes(stage, opt, model=None):
     - ZeRO-3, parameters (`gathered_peak`): besides every unit's shard, the root unit stays
       gathered from forward to the end of backward, and while one unit computes the next
       (in forward order, or the previous one in backward) is being gathered (prefetch).
-    - ZeRO-3, gradients: as ZeRO-2's, with one bucket per unit, and the root unit's
+    - ZeRO-3, gradients: as ZeRO-2's, with one bucket per unit, except that a new all-gather
+      first receives every transfer in flight (ShardedParameters._start_gather): each
+      unit's backward hook prefetches the next (all but the last, whose next is the root,
+      gathered already), so its gradients fill with none of them left; and the root unit's
       gradients waiting, counted whole, until it is sent last, right after (in the same
       hook as) the first unit: its gradients arrive during backward, the final norm's early
       and the position embedding's just before the token embedding's (which runs first in
@@ -59,15 +62,21 @@ def gradient_peak(opt, names=None):
     buckets sent before, the flat copies of those still in flight, and bucket i's gradients
     but one: all but its smallest parameter, an upper bound; nothing for a bucket of one
     parameter), and just after it is sent (its .grad freed, its flat copy and output shard in
-    flight, the oldest transfer beyond max_in_flight awaited).
+    flight, the oldest transfer beyond max_in_flight awaited). ZeRO-3 with prefetch: before
+    a unit's gradients arrive, its backward hook has received every transfer in flight, but
+    for the last unit (taken as the last bucket that is not the root's).
     """
     buckets = opt.buckets
     units = getattr(opt, "bucket_units", [None] * len(buckets))  # ZeRO-3: the unit of each bucket
     held = [u == 0 for u in units]  # ZeRO-3's root unit (see above)
     label = [f"bucket {i}" if u is None else _unit_name(opt, u, names or {}) for i, u in enumerate(units)]
+    drains = bool(units) and units[0] is not None and getattr(opt, "prefetch", False)  # ZeRO-3: _start_gather drains first
+    last_unit = max((i for i, is_held in enumerate(held) if not is_held), default=None)
     shards, flight, moments = 0, [], []
     for i, b in enumerate(buckets):
         waiting = FP32 * sum(h.numel for h, is_held in zip(buckets, held) if is_held and h is not b)
+        if drains and not held[i] and i != last_unit:
+            flight = []
         if not held[i]:
             filling = FP32 * (b.numel - min(b.numels))  # all but its last gradient, at most
             moments.append((shards + sum(flight) + filling + waiting, f"{label[i]}: all but its last gradient"))
