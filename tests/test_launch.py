@@ -371,3 +371,52 @@ def test_reimporting_the_launcher_keeps_the_one_fork_server():
     while time.monotonic() < end and alive(seen["first"]):
         time.sleep(0.1)
     assert not alive(seen["first"])
+
+
+# In a kernel the grader starts (grading/autograde/kernel.py): its fork server is its own
+# child, forked before ipykernel started (zerokit.launcher.preforked), not a second Python.
+_IN_KERNEL = """
+import json, os, sys
+import psutil
+import zerokit
+from zerokit.launcher import forkclient
+server = forkclient.running_server()
+results = zerokit.launch(lambda r, n: 3 * r, world_size=2, launcher="forkserver", echo=False)
+print(json.dumps({"kernel": os.getpid(), "server": server.pid, "server_parent": psutil.Process(server.pid).ppid(),
+                  "same_server": forkclient.running_server() is server, "results": results,
+                  "other_servers": [p.pid for p in psutil.Process().children(recursive=True)
+                                    if forkclient.SERVER_MODULE in " ".join(p.cmdline())]}))
+"""
+
+
+@pytest.mark.timeout(180)
+def test_a_grading_kernel_forks_its_own_fork_server(tmp_path):
+    import asyncio
+    import json
+
+    from zerokit.grading.autograde.kernel import GradingKernelManager
+    from zerokit.launcher.processes import alive
+
+    async def run():
+        km = GradingKernelManager(socket_dir=str(tmp_path), workdir=str(tmp_path))
+        await km.start_kernel()
+        kc = km.client()
+        kc.start_channels()
+        out = []
+        try:
+            await kc.wait_for_ready(timeout=90)
+            reply = await kc.execute_interactive(_IN_KERNEL, timeout=90, output_hook=lambda m: out.append(m))
+            assert reply["content"]["status"] == "ok", reply["content"]
+        finally:
+            kc.stop_channels()
+            await km.shutdown_kernel(now=True)
+        return "".join(m["content"].get("text", "") for m in out if m["msg_type"] == "stream")
+
+    seen = json.loads(asyncio.run(run()).splitlines()[-1])
+    assert seen["results"] == [0, 3]
+    assert seen["server_parent"] == seen["kernel"]  # forked by the kernel itself ...
+    assert seen["same_server"] and seen["other_servers"] == []  # ... and no second server started
+    end = time.monotonic() + 15  # it ends with the kernel (EOF on its pipe)
+    while time.monotonic() < end and alive(seen["server"]):
+        time.sleep(0.1)
+    assert not alive(seen["server"])

@@ -9,6 +9,7 @@ The files, from the entry point down (each imports only the ones below it):
     forkclient.py  the launching side of the fork server: start it, ask it for ranks; one
                    per Python process, even when this package is imported afresh
     forkserver.py  the fork server process: imports torch once, forks each rank from it
+    preforked.py   a grading kernel that forks its own fork server first: one torch import for both
     ranks.py       the launching side's view of each rank, read from the files it writes
     processes.py   is a process alive, how much memory it holds, killing process groups
     worker.py      what runs inside each rank: the process group, fn, the result file

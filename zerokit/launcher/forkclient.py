@@ -104,6 +104,16 @@ class ForkServer:
     def running(self):
         return self.process.poll() is None
 
+    def wait_ready(self, ready_within=READY_WITHIN):
+        """For a server this process forked (adopt): read its "ready" line, once; RuntimeError if none comes."""
+        if getattr(self, "_ready", True):
+            return
+        line = self._first_line(ready_within)
+        if line != "ready":
+            why = f"answered {line!r} instead of 'ready'" if line else "did not say it was ready"
+            raise RuntimeError(f"the zerokit fork server {why}{self.stderr_tail()}")
+        self._ready = True
+
     def stderr_tail(self):
         """The end of what the server wrote to stderr, as lines to append to a message; "" if nothing."""
         try:
@@ -131,6 +141,30 @@ class ForkServer:
                 pass
 
 
+class _Forked:
+    """What ForkServer needs of a subprocess.Popen, for a server this process forked itself."""
+
+    def __init__(self, pid, stdin, stdout):
+        self.pid, self.stdin, self.stdout, self.returncode = pid, stdin, stdout, None
+
+    def poll(self):
+        return self._reap(os.WNOHANG)
+
+    def wait(self, timeout=None):
+        return self._reap(0)
+
+    def _reap(self, flags):
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, flags)
+            except ChildProcessError:  # reaped by someone else: gone all the same
+                self.returncode = -1
+            else:
+                if pid:
+                    self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+
 # ---- one server per Python process ----------------------------------------------------
 # Why the handle is not simply a global of this module: the notebooks' hidden test cells
 # delete every zerokit.grading.* and zerokit.launcher.* module from sys.modules and import
@@ -141,6 +175,14 @@ class ForkServer:
 # other module uses. (Reaching into the parent package this way reads it from sys.modules,
 # where it always is by now: importing zerokit.launcher imported zerokit first.)
 _HANDLE = "_launcher_fork_server"
+
+
+def adopt(pid, requests_fd, answers_fd, stderr):
+    """Make the server this process forked (preforked.py) this process's fork server."""
+    process = _Forked(pid, open(requests_fd, "w"), open(answers_fd, "r"))
+    server = ForkServer(process, stderr)
+    server._ready = False  # its "ready" line is read at the first launch (wait_ready)
+    setattr(sys.modules["zerokit"], _HANDLE, server)
 
 
 def running_server():
@@ -163,4 +205,9 @@ def server(pythonpath):
         env = {**os.environ, "PYTHONPATH": pythonpath, "PYTHONSAFEPATH": "1"}
         current = ForkServer.start(command, env, cwd=NEUTRAL_CWD)
         setattr(sys.modules["zerokit"], _HANDLE, current)
+    try:
+        current.wait_ready()
+    except BaseException:
+        current.stop()
+        raise
     return current

@@ -46,7 +46,8 @@ class GradingKernelManager(AsyncKernelManager):
     def format_kernel_cmd(self, extra_arguments=None):
         # The kernel spec's argv is ignored on purpose: grading runs the course's Python, in
         # safe-path mode, whatever kernel name the notebook was saved with.
-        return [sys.executable, "-P", "-m", "ipykernel_launcher", "-f", self.connection_file,
+        # zerokit.launcher.preforked: ipykernel, with its fork server forked from it (one torch import)
+        return [sys.executable, "-P", "-m", "zerokit.launcher.preforked", "-f", self.connection_file,
                 *(extra_arguments or [])]
 
     async def _async_launch_kernel(self, kernel_cmd, **kw):
@@ -84,7 +85,8 @@ class GradingKernelManager(AsyncKernelManager):
             return pid if self.wall is None else None
         try:
             for p in psutil.Process(pid).children(recursive=True):
-                if p.cmdline() == self._kernel_argv:
+                # the fork server, forked from the kernel (preforked.py), has its command line too
+                if p.cmdline() == self._kernel_argv and p.parent().cmdline() != self._kernel_argv:
                     return p.pid
         except psutil.Error:
             pass
