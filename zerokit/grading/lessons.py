@@ -12,14 +12,17 @@ committed lessons/: what a student would get if we regenerated now must be what 
 import argparse
 import difflib
 import json
+import logging
 import os
 import sys
 import tempfile
+import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 SOLUTIONS = ROOT / "solutions"
 LESSONS = ROOT / "lessons"
+CONFIG = "nbgrader_config.py"  # the course's nbgrader settings, at ROOT
 
 __all__ = ["lesson_ids", "generate", "drift", "release_drift"]
 
@@ -40,10 +43,8 @@ def generate(ids=None, release_dir=LESSONS):
     """nbgrader generate_assignment --no-db for each lesson, into release_dir, as the course's
     nbgrader_config.py says. In this process, one lesson after another: `nbgrader` on the
     command line spends ~6 s of CPU importing itself, for a conversion of under a second."""
-    from nbgrader.converters import GenerateAssignment
+    from nbgrader.converters import GenerateAssignment  # here: nbgrader takes seconds to import
     from traitlets.config.loader import PyFileConfigLoader
-
-    from .autograde.course import CONFIG, run_app  # grading.autograde imports this module: not at the top
 
     cfg = PyFileConfigLoader(CONFIG, path=str(ROOT)).load_config()
     cfg.CourseDirectory.root = str(ROOT)
@@ -54,6 +55,31 @@ def generate(ids=None, release_dir=LESSONS):
         ok, log = run_app(GenerateAssignment, cfg, lesson, force=True)
         if not ok:
             raise RuntimeError(f"nbgrader generate_assignment {lesson} failed:\n{log}")
+
+
+def run_app(app_class, cfg, lesson, student="*", **flags):
+    """Run an nbgrader app (a converter: GenerateAssignment, Autograde, ...) for one lesson and
+    student, in this process; (ok, its log)."""
+    from nbgrader.coursedir import CourseDirectory
+
+    coursedir = CourseDirectory(config=cfg)
+    coursedir.assignment_id, coursedir.student_id = lesson, student
+    app = app_class(coursedir=coursedir, config=cfg)
+    for name, value in flags.items():
+        setattr(app, name, value)
+    lines = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(f"[{record.levelname}] {record.getMessage()}")
+    app.log.addHandler(handler)
+    try:
+        app.start()
+        ok = True
+    except Exception:  # nbgrader raises NbGraderException after logging each failure
+        lines.append(traceback.format_exc())
+        ok = False
+    finally:
+        app.log.removeHandler(handler)
+    return ok, "\n".join(lines)
 
 
 def _cells(path):

@@ -11,16 +11,11 @@ course, these submissions and this gradebook.
 
 from __future__ import annotations
 
-import logging
-import traceback
 from pathlib import Path
 
-from nbgrader.coursedir import CourseDirectory
 from traitlets.config.loader import PyFileConfigLoader
 
-from ..lessons import ROOT, SOLUTIONS
-
-CONFIG = "nbgrader_config.py"
+from ..lessons import CONFIG, ROOT, SOLUTIONS, run_app  # noqa: F401  (run_app: the graders' too)
 # the first line of a course folder's config that this module wrote (and may rewrite)
 WRITTEN_BY = "# Written by python -m zerokit.grading.autograde (make grade); rewritten by each grading run."
 
@@ -86,25 +81,3 @@ def write_course_config(course_dir, submissions, out, options, settings=(), solu
     lines += [f"c.{cls}.{trait} = {value!r}" for cls, trait, value in _options(options) + list(settings)]
     path.write_text("\n".join(lines) + "\n")
     return path
-
-
-def run_app(app_class, cfg, lesson, student="*", **flags):
-    """Run an nbgrader app for one lesson (and student); (ok, its log)."""
-    coursedir = CourseDirectory(config=cfg)
-    coursedir.assignment_id, coursedir.student_id = lesson, student
-    app = app_class(coursedir=coursedir, config=cfg)
-    for name, value in flags.items():
-        setattr(app, name, value)
-    lines = []
-    handler = logging.Handler()
-    handler.emit = lambda record: lines.append(f"[{record.levelname}] {record.getMessage()}")
-    app.log.addHandler(handler)
-    try:
-        app.start()
-        ok = True
-    except Exception:  # nbgrader raises NbGraderException after logging each failure
-        lines.append(traceback.format_exc())
-        ok = False
-    finally:
-        app.log.removeHandler(handler)
-    return ok, "\n".join(lines)
