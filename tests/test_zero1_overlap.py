@@ -6,9 +6,10 @@ elements (a larger parameter gets a bucket of its own), against ZeRO1Adam withou
 tests/test_bitwise.py holds bitwise to torch.optim.AdamW at N = 2 on the same batch:
 - N = 2, the same batch on both ranks: bitwise equal after every step, and equal to
   torch.optim.AdamW on one process (launched, one thread, as the ranks run);
-- the same with a *lazy* reduce-scatter (a test double whose output is NaN until wait()
-  and whose data is read from the input only at wait()): reading the shard before waiting,
-  or writing into the gradient buffer while it is on its way, changes the numbers;
+- the same with a *lazy* reduce-scatter and all-gather (test doubles whose output is NaN
+  until wait() and whose data is read from the input only at wait()): reading the shard
+  before waiting, writing into the gradient buffer while it is on its way, or step()
+  returning before the updated weights have arrived, changes the numbers;
 - on OddMLP every bucket but the last leaves during backward (recorded at issue time); on
   EdgeCaseNet the unused parameter's bucket is the first in backward's order and holds every
   bucket behind it until step() (buckets leave in order: the ranks' collectives must match);
@@ -59,9 +60,23 @@ def _lazy_reduce_scatter(real):
     return reduce_scatter
 
 
+def _lazy_all_gather(real):
+    """step()'s all-gathers are in place (the input is this rank's part of the output): NaN
+    everywhere else until wait(), and the input read only then."""
+    def all_gather(output, input, group=None, async_op=False):
+        if not async_op:
+            return real(output, input, group=group)
+        lo = (input.data_ptr() - output.data_ptr()) // output.element_size()
+        output[:lo].fill_(float("nan"))
+        output[lo + input.numel():].fill_(float("nan"))
+        return _LazyWork(lambda: real(output, input, group=group))
+    return all_gather
+
+
 def _train(rank, world_size, bucket_mb, same_data, lazy=False, micro=1, kind="edge", bf16=False):
     if lazy:
         zerokit.zero1.reduce_scatter = _lazy_reduce_scatter(zerokit.zero1.reduce_scatter)
+        zerokit.zero1.all_gather = _lazy_all_gather(zerokit.zero1.all_gather)
     issued = []
     real = zerokit.zero1.reduce_scatter
 

@@ -178,6 +178,7 @@ class ZeRO1Adam(torch.optim.Optimizer):
         self.buckets, self.bucket_group, self.shards, self.flat_params, self._grad_buffers = [], [], [], [], []
         self._early = []  # beyond the exercise (bucket_mb): per bucket, (work, shard) sent during backward
         self._grad_cache = None  # this step's reduced gradient shards, once reduced (see _reduced_gradients)
+        self._published = []  # beyond the exercise: the all-gathers _publish started, until step() waits
         self._shard_groups(0)
 
     def _shard_groups(self, first):
@@ -363,6 +364,7 @@ class ZeRO1Adam(torch.optim.Optimizer):
             param_shard = self._param_shard(i)
             self.shards[i].update(param_shard, grad_shards[i], present[i], self.param_groups[self.bucket_group[i]])
             self._publish(i)
+        self._wait_published()
         self._grad_cache = None
         return loss
 
@@ -419,11 +421,20 @@ class ZeRO1Adam(torch.optim.Optimizer):
         return self.buckets[i].shard(self.flat_params[i]) if master is None else master
 
     def _publish(self, i):
-        """Every rank gets every updated shard; the input is a view of the output (in place)."""
+        """Every rank gets every updated shard; the input is a view of the output (in place).
+
+        Beyond the exercise: asynchronous, so that bucket i's all-gather travels while the next
+        bucket's shard is updated; step() waits for them all (_wait_published) before it returns.
+        """
         shard = self.buckets[i].shard(self.flat_params[i])
         if self.shards[i].master is not None:  # lesson 06: round the updated fp32 master to 16 bits
             self.shards[i].copy_master(shard)
-        all_gather(self.flat_params[i], shard, group=self.group)
+        self._published.append(all_gather(self.flat_params[i], shard, group=self.group, async_op=True))
+
+    def _wait_published(self):
+        """Beyond the exercise: wait for every all-gather _publish started; the weights are whole again."""
+        while self._published:
+            self._published.pop(0).wait()
 
     def scale_loss(self, loss):
         """loss times the loss scale (mixed precision fp16); the loss itself otherwise."""
@@ -470,6 +481,7 @@ class ZeRO1Adam(torch.optim.Optimizer):
         buffer and all-gather; ZeRO-3: drop any gathered copy). A collective: every rank calls it."""
         for i in range(len(self.buckets)):
             self._publish(i)
+        self._wait_published()
 
     def state_dict(self):
         raise NotImplementedError(
