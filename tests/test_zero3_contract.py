@@ -8,7 +8,9 @@
 - one full-size transfer at a time (ShardedParameters._start_gather, ZeRO3Adam._before_send): on a
   transformer with a unit per block, no reduce-scatter is in flight when a prefetch starts,
   no gather is in flight when a reduce-scatter starts, and the unit being reduced is
-  already SHARDED; with *lazy* collectives (test doubles whose output is NaN until wait()
+  already SHARDED; on gloo, backward's prefetch is received before the unit computes
+  (ZeRO3Adam._pre_backward): no gather is in flight when a unit's backward begins; with
+  *lazy* collectives (test doubles whose output is NaN until wait()
   and whose input is read only at wait()), the numbers are bitwise those of the real ones,
   so none of the earlier waits reads a buffer before its transfer is done.
 """
@@ -83,6 +85,15 @@ def _lazy(real, watch):
     return collective
 
 
+class _Watched(ZeRO3Adam):
+    """ZeRO3Adam telling `watch` how many gathers are in flight as a unit's backward begins."""
+    watch = None
+
+    def _pre_backward(self, u, grad):
+        super()._pre_backward(u, grad)
+        self.watch(("backward", len(self._gathering)))
+
+
 def _one_transfer_at_a_time(rank, world_size, lazy):
     real_gather, real_reduce = zerokit.zero3.all_gather, zerokit.zero2.reduce_scatter
     seen, box = [], {}
@@ -100,7 +111,8 @@ def _one_transfer_at_a_time(rank, world_size, lazy):
         zerokit.zero2.reduce_scatter = _lazy(real_reduce, reducing)
     try:
         model = build_model("transformer")
-        opt = box["opt"] = ZeRO3Adam(model, lr=1e-2, weight_decay=0.1, units=list(model.blocks))
+        opt = box["opt"] = _Watched(model, lr=1e-2, weight_decay=0.1, units=list(model.blocks))
+        opt.watch = seen.append
         losses = []
         for step in range(3):
             x, y = model_batch("transformer", 4, 10 * step + rank)
@@ -131,3 +143,6 @@ def test_one_full_size_transfer_at_a_time_and_lazy_collectives_change_no_bit():
         assert all(rs == 0 and ag == 0 for _, rs, ag in gathers), gathers
         # a reduce-scatter starts with no gather in flight, its unit's weights already freed
         assert all(g == 0 and state == "sharded" for _, g, state in reduces), reduces
+        # a unit's backward computes with no gather in flight (gloo: the prefetch received at once)
+        backwards = [s for s in seen if s[0] == "backward"]
+        assert len(backwards) == 3 * 3 and all(g == 0 for _, g in backwards), backwards
