@@ -231,19 +231,14 @@ class ShardedParameters(ZeRO2Adam):
         full.untyped_storage().resize_(full.numel() * full.element_size())
         return full
 
-    # Beyond the exercise: one full-size transfer at a time. Each transfer in flight holds
-    # full-size memory besides its output: an all-gather's buffer is a unit's full weights,
-    # and gloo (CPU) keeps a full-size temporary for each all-gather until it completes, and
-    # for each reduce-scatter until its work object is dropped (it reduce-scatters with its
-    # all-reduce, on a copy of the input). Backward's peak is where these meet the
-    # activations. So a new gather (in practice the prefetch: the unit needed now was
-    # started before it) first waits for the gather in flight, whose unit is needed next
-    # anyway, and receives every reduce-scatter, dropping its input and temporary;
-    # ZeRO3Adam._send likewise finishes gathers and frees the unit before its reduce-scatter.
-    # The prefetch still overlaps the unit's compute. On the bench's model (N = 2, gloo) the
-    # peak goes from 1.11-1.13x PyTorch FSDP2's to 1.00-1.02x, for waits that come a little
-    # earlier than the exercise's. (Inline in _start_gather, not a method: the lesson's
-    # grader runs this _start_gather on a student's class.)
+    # Beyond the exercise: one full-size transfer at a time. A transfer in flight holds
+    # full-size memory besides its output (a gathered unit; on gloo also a full-size temporary
+    # per all-gather until it completes, and per reduce-scatter until its work is dropped), and
+    # backward's peak is where these meet the activations. So a new gather (the prefetch) first
+    # finishes the gather in flight, whose unit is needed next anyway, and receives every
+    # reduce-scatter; _send likewise finishes gathers and frees its unit before it sends. The
+    # prefetch still overlaps the unit's compute. (Inline in _start_gather, not a method: the
+    # lesson's grader runs this _start_gather on a student's class.)
 
     # ---- exercise 1 of lesson 05: gather and free ------------------------------------
 
@@ -371,18 +366,13 @@ class ZeRO3Adam(ShardedParameters):
                     self._finish_gather(bi)
 
     # Beyond the exercise: on gloo, backward's prefetch is received at once, before unit u
-    # computes. A gloo all-gather holds a full-size temporary until the slower rank has
-    # joined it, and backward's first units are where the activations peak (the head's
-    # logits, then the last block's MLP: gelu_backward): a prefetch still in flight there
-    # put that temporary on top of the step's peak. Waiting at the unit's first gradient
-    # hook instead was not enough (the ops before it, the head's and the MLP's output
-    # matmuls, peak as well). PyTorch FSDP2 on CPU waits for its backward prefetch as soon
-    # as it is issued too (in the bench's memory trace gloo's temporary is gone by its next
-    # op). The prefetch is still issued here, so the next unit is full when its backward
-    # begins; forward's prefetch keeps overlapping. On the bench's model (N = 2, gloo):
-    # ZeRO3Adam 1.00-1.02x FSDP2's peak -> 0.97-0.99x, FullyShard 1.02x -> 0.99x, for a
-    # step time of 0.67-0.79x FSDP2's (0.65-0.74x with backward's prefetch left in flight).
-    # (Inline, not a method: the lesson's grader runs this _pre_backward on a student's class.)
+    # computes. A gloo all-gather holds a full-size temporary until the slower rank joins it,
+    # and backward's first units (the head's logits, the last block's MLP) are where the
+    # activations peak: left in flight, the prefetch put that temporary on top of the step's
+    # peak. PyTorch FSDP2 on CPU waits for its backward prefetch as soon as it is issued too.
+    # The next unit is still gathered before its backward begins; forward's prefetch keeps
+    # overlapping, and so does backward's on NCCL. (Inline, not a method: the lesson's grader
+    # runs this _pre_backward on a student's class.)
 
     def _send(self, bi):
         """Bucket bi's gradients are all in: reduce-scatter them (ZeRO-2), then free the weights."""

@@ -35,6 +35,7 @@ class ForkServer:
     def __init__(self, process, stderr):
         self.process = process  # subprocess.Popen, text pipes on its stdin and stdout
         self.stderr = stderr  # the file its stderr goes to (see start)
+        self.ready = True  # False for a server adopted before it said "ready" (see wait_ready)
 
     @property
     def pid(self):
@@ -106,13 +107,13 @@ class ForkServer:
 
     def wait_ready(self, ready_within=READY_WITHIN):
         """For a server this process forked (adopt): read its "ready" line, once; RuntimeError if none comes."""
-        if getattr(self, "_ready", True):
+        if self.ready:
             return
         line = self._first_line(ready_within)
         if line != "ready":
             why = f"answered {line!r} instead of 'ready'" if line else "did not say it was ready"
             raise RuntimeError(f"the zerokit fork server {why}{self.stderr_tail()}")
-        self._ready = True
+        self.ready = True
 
     def stderr_tail(self):
         """The end of what the server wrote to stderr, as lines to append to a message; "" if nothing."""
@@ -181,7 +182,7 @@ def adopt(pid, requests_fd, answers_fd, stderr):
     """Make the server this process forked (preforked.py) this process's fork server."""
     process = _Forked(pid, open(requests_fd, "w"), open(answers_fd, "r"))
     server = ForkServer(process, stderr)
-    server._ready = False  # its "ready" line is read at the first launch (wait_ready)
+    server.ready = False  # its "ready" line is read at the first launch (wait_ready)
     setattr(sys.modules["zerokit"], _HANDLE, server)
 
 
