@@ -188,7 +188,21 @@ def checkout_state():
     return files, status
 
 
-__all__ = ["LAUNCH_TIMEOUT", "run_ranks", "new_model", "batch", "rank_slice", "snapshot", "max_diff",
+class LazyWork:
+    """The work handle of a "lazy" collective test double: its transfer runs only at wait(),
+    so code that reads an output (or writes an input) before waiting gets other numbers."""
+
+    def __init__(self, run):
+        self._run = run
+
+    def wait(self):
+        if self._run is not None:
+            run, self._run = self._run, None
+            run()
+        return True
+
+
+__all__ = ["LazyWork", "LAUNCH_TIMEOUT", "run_ranks", "new_model", "batch", "rank_slice", "snapshot", "max_diff",
            "adamw_reference", "ceil_div", "num_trainable", "close_rel", "exercise_module", "source_module", "fails", "outcome",
            "UNFINISHED", "fails_exactly", "fails_every_check", "nbgrader", "checkout_state"]
 

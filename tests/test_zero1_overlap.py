@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 import zerokit
 import zerokit.zero1
-from conftest import run_ranks
+from conftest import LazyWork, run_ranks
 from zerokit.models import build_model, model_batch, model_loss
 
 pytestmark = pytest.mark.distributed
@@ -40,23 +40,12 @@ STEPS, BATCH, LR, WD = 6, 12, 1e-2, 0.1
 BUCKET_MB = 100 * 4 / 2**20  # 100 fp32 elements
 
 
-class _LazyWork:
-    def __init__(self, run):
-        self._run = run
-
-    def wait(self):
-        if self._run is not None:
-            run, self._run = self._run, None
-            run()
-        return True
-
-
 def _lazy_reduce_scatter(real):
     def reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
         if not async_op:
             return real(output, input, op=op, group=group)
         output.fill_(float("nan"))  # nothing has arrived yet
-        return _LazyWork(lambda: real(output, input, op=op, group=group))  # read the input only now
+        return LazyWork(lambda: real(output, input, op=op, group=group))  # read the input only now
     return reduce_scatter
 
 
@@ -69,7 +58,7 @@ def _lazy_all_gather(real):
         lo = (input.data_ptr() - output.data_ptr()) // output.element_size()
         output[:lo].fill_(float("nan"))
         output[lo + input.numel():].fill_(float("nan"))
-        return _LazyWork(lambda: real(output, input, group=group))
+        return LazyWork(lambda: real(output, input, group=group))
     return all_gather
 
 

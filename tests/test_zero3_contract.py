@@ -20,7 +20,7 @@ import torch
 
 import zerokit.zero2
 import zerokit.zero3
-from conftest import run_ranks
+from conftest import LazyWork, run_ranks
 from zerokit.models import build_model, model_batch, model_loss
 from zerokit.zero3 import UnitState, ZeRO3Adam, bucket_plan, unit_list
 
@@ -62,17 +62,6 @@ def test_the_plan_is_the_layout_and_each_bucket_moves_through_named_states():
         assert at_rest == {UnitState.SHARDED}
 
 
-class _LazyWork:
-    def __init__(self, run):
-        self._run = run
-
-    def wait(self):
-        if self._run is not None:
-            run, self._run = self._run, None
-            run()
-        return True
-
-
 def _lazy(real, watch):
     """A collective whose output is NaN until wait() and whose input is read only then;
     watch(output, input) sees each asynchronous call as it is issued."""
@@ -81,7 +70,7 @@ def _lazy(real, watch):
             return real(output, input, *args, **kwargs)
         watch(output, input)
         output.fill_(float("nan"))
-        return _LazyWork(lambda: real(output, input, *args, **kwargs))
+        return LazyWork(lambda: real(output, input, *args, **kwargs))
     return collective
 
 
