@@ -202,7 +202,22 @@ class LazyWork:
         return True
 
 
-__all__ = ["LazyWork", "LAUNCH_TIMEOUT", "run_ranks", "new_model", "batch", "rank_slice", "snapshot", "max_diff",
+def poison_scratch():
+    """From now on in this process, FlatBucket.scratch() buffers start as NaN outside their padding
+    (a fresh allocation is often all zeros, which would hide a read before the write)."""
+    from zerokit.flat import FlatBucket
+
+    real = FlatBucket.scratch
+
+    def poisoned(self, *args, **kwargs):
+        flat = real(self, *args, **kwargs)
+        flat[:self.numel].fill_(float("nan"))
+        return flat
+
+    FlatBucket.scratch = poisoned
+
+
+__all__ = ["LazyWork", "poison_scratch", "LAUNCH_TIMEOUT", "run_ranks", "new_model", "batch", "rank_slice", "snapshot", "max_diff",
            "adamw_reference", "ceil_div", "num_trainable", "close_rel", "exercise_module", "source_module", "fails", "outcome",
            "UNFINISHED", "fails_exactly", "fails_every_check", "nbgrader", "checkout_state"]
 

@@ -10,8 +10,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import zerokit
 from conftest import run_ranks
-from zerokit.comm import all_gather, reduce_scatter
+from zerokit import collectives, comm
+from zerokit.comm import WireCounter
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 K = 3  # elements per rank in the reduce-scatter / all-gather checks
@@ -26,7 +28,11 @@ def max_input(rank, dtype):
     return torch.tensor([(rank * 5 + 1) % 7, (rank * 3 + 2) % 7, -rank, 10 - rank], dtype=dtype)
 
 
-def collectives_worker(rank, world_size):
+IMPLEMENTATIONS = {"torch": comm, "zerokit": collectives}  # what the lessons call; what zerokit's stages call
+
+
+def collectives_worker(rank, world_size, impl):
+    reduce_scatter, all_gather = IMPLEMENTATIONS[impl].reduce_scatter, IMPLEMENTATIONS[impl].all_gather
     out = {}
     for dtype in DTYPES:
         d = {}
@@ -79,10 +85,9 @@ def collectives_worker(rank, world_size):
         handles = (w1, w2, w3)
         for w in handles:
             w.wait()
-        # Only the values are checked after wait(): on torch 2.13 + gloo the reduce-scatter
-        # handle still reports is_completed() == False after a successful wait(), so code
-        # that polls is_completed() instead of calling wait() would spin forever.
-        d["async_completed"] = [bool(w.is_completed()) for w in (w1, w3)]
+        # (torch's own reduce-scatter handle on gloo reports is_completed() == False after a
+        # successful wait(): code that polls instead of waiting would spin forever there.)
+        d["async_completed"] = [bool(w.is_completed()) for w in (w1, w2, w3)]
         d["async_sum"], d["async_rs"], d["async_ag"] = a, ro, go
         out[str(dtype)] = d
     dist.barrier()
@@ -115,15 +120,17 @@ def expected(rank, n, dtype):
 
 @pytest.mark.distributed
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 @pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_every_collective_on_gloo(world_size):
-    results = run_ranks(collectives_worker, world_size)
+def test_every_collective_on_gloo(world_size, impl):
+    results = run_ranks(collectives_worker, world_size, impl)
     assert len(results) == world_size
     for rank, got in enumerate(results):
         for dtype in DTYPES:
             d = got[str(dtype)]
             assert d["ag_inplace_is_view"]
-            assert d["async_completed"] == [True, True]  # all-reduce, all-gather
+            # all-reduce, reduce-scatter, all-gather: torch's reduce-scatter alone says no after its wait()
+            assert d["async_completed"] == [True, impl == "zerokit", True]
             for name, want in expected(rank, world_size, dtype).items():
                 have = d[name]
                 assert have.dtype == dtype, (rank, dtype, name, have.dtype)
@@ -131,6 +138,48 @@ def test_every_collective_on_gloo(world_size):
 
 
 def test_course_uses_the_single_tensor_spellings():
-    """zerokit.comm exposes the torch 2.13 names (the *_tensor ones warn, see pyproject)."""
-    assert reduce_scatter is dist.reduce_scatter_single
-    assert all_gather is dist.all_gather_single
+    """zerokit.comm's collectives, and zerokit.collectives' where they are torch's, are the torch
+    2.13 names (the *_tensor ones warn, see pyproject)."""
+    assert comm.reduce_scatter is collectives._torch_reduce_scatter is dist.reduce_scatter_single
+    assert comm.all_gather is collectives._torch_all_gather is dist.all_gather_single
+
+
+S = 60_000  # elements per rank: large enough that gloo's few header bytes are well under 1%
+
+
+def wire_worker(rank, world_size):
+    """Bytes this rank writes for one reduce-scatter and one all-gather, zerokit's and torch's,
+    and what CommCounter calls each; zerokit's results must equal torch's."""
+    torch.manual_seed(rank)
+    inp = torch.randint(-50, 50, (world_size * S,)).float()  # small integers: exact in any sum order
+    out = {}
+    for name, impl in IMPLEMENTATIONS.items():
+        rs, ag = impl.reduce_scatter, impl.all_gather
+        shard, full = torch.empty(S), torch.empty(world_size * S)
+        dist.barrier()
+        with WireCounter() as rs_wire, zerokit.CommCounter() as rs_count:
+            rs(shard, inp, op=dist.ReduceOp.AVG)
+        dist.barrier()
+        with WireCounter() as ag_wire, zerokit.CommCounter() as ag_count:
+            ag(full, shard)
+        dist.barrier()
+        out[name] = {"rs": rs_wire.sent_bytes, "ag": ag_wire.sent_bytes, "full": full,
+                     "counted": [(c.op, c.numel) for c in rs_count.calls + ag_count.calls]}
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_zerokit_collectives_send_the_rings_bytes_on_gloo(world_size):
+    """gloo's own reduce-scatter writes as many bytes as its all-reduce, 2 S (N-1) elements per
+    rank (lesson 00); zerokit's writes the ring's S (N-1), as both all-gathers do. The counter
+    sees one reduce-scatter and one all-gather either way, and the numbers are torch's."""
+    ring = 4 * S * (world_size - 1)  # fp32 bytes a rank sends in a ring, either collective
+    for got in run_ranks(wire_worker, world_size):
+        mine, theirs = got["zerokit"], got["torch"]
+        assert mine["counted"] == theirs["counted"] == [("reduce_scatter", world_size * S),
+                                                         ("all_gather", world_size * S)]
+        assert torch.equal(mine["full"], theirs["full"])
+        assert ring <= mine["rs"] < 1.01 * ring and ring <= mine["ag"] < 1.01 * ring, mine
+        assert theirs["rs"] > 1.9 * ring, theirs  # why zerokit has its own on gloo

@@ -66,7 +66,7 @@ def test_every_lesson_has_graded_cells_with_points_and_hidden_tests():
 PACKAGE = ROOT / "zerokit"
 # what a student reads beside the lessons, and the small instruments the lessons measure with
 COURSE_MODULES = {"adam", "ddp", "flat", "zero1", "zero2", "zero3", "mixed_precision", "activations", "offload",
-                  "comm", "memory", "models", "reference", "figures", "widgets",
+                  "comm", "collectives", "memory", "models", "reference", "figures", "widgets",
                   # the lessons' stages in PyTorch's shapes (issue 24)
                   "elementwise", "data_parallel", "fully_shard",
                   "muon",  # lesson 09's reference

@@ -28,7 +28,7 @@ import pytest
 import torch
 
 import zerokit
-from conftest import adamw_reference, batch, ceil_div, max_diff, new_model, rank_slice, run_ranks
+from conftest import adamw_reference, batch, ceil_div, max_diff, new_model, poison_scratch, rank_slice, run_ranks
 from zerokit.models import loss_for
 
 STEPS = 50
@@ -186,6 +186,7 @@ def clip_then_skip(rank, world_size, stage):
 
 
 def stage_worker(rank, world_size, stage):
+    poison_scratch()  # a gradient buffer's unwritten part (an unused parameter's) must never be read
     out = {kind: trajectory(rank, world_size, stage, kind) for kind in KINDS}
     out["clip"] = clipped_trajectory(rank, world_size, stage)
     out["clip_skip"] = clip_then_skip(rank, world_size, stage)

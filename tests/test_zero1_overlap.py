@@ -25,13 +25,15 @@ tests/test_bitwise.py holds bitwise to torch.optim.AdamW at N = 2 on the same ba
   hooks leave alone): the same numbers as without buckets, gradients untouched.
 """
 
+from functools import partial
+
 import pytest
 import torch
 import torch.distributed as dist
 
 import zerokit
 import zerokit.zero1
-from conftest import LazyWork, run_ranks
+from conftest import LazyWork, poison_scratch, run_ranks
 from zerokit.models import build_model, model_batch, model_loss
 
 pytestmark = pytest.mark.distributed
@@ -63,6 +65,7 @@ def _lazy_all_gather(real):
 
 
 def _train(rank, world_size, bucket_mb, same_data, lazy=False, micro=1, kind="edge", bf16=False):
+    poison_scratch()  # a gradient buffer's unwritten part (an unused parameter's, a padding) must never be read
     if lazy:
         zerokit.zero1.reduce_scatter = _lazy_reduce_scatter(zerokit.zero1.reduce_scatter)
         zerokit.zero1.all_gather = _lazy_all_gather(zerokit.zero1.all_gather)
@@ -149,6 +152,31 @@ def test_accumulation_with_ranks_disagreeing_on_stale_buckets_is_exact():
     for (plain, _, _), (bucketed, issued, _) in run_ranks(_pair, 2, True, True, 2, "branch"):
         assert _equal(bucketed, plain)
         assert any(issued)  # some buckets left during the first backward, and were sent again
+
+
+def _one_rank_skips(rank, world_size, make):
+    """Rank 1 never runs the branch: on it, the branch's gradient is None, which counts as zero."""
+    poison_scratch()
+    model = build_model("branch")
+    opt = make(model.parameters())
+    for step in range(5):
+        x, y = model_batch("branch", BATCH, step)
+        model_loss("branch", model(x, use_branch=rank != 1), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("bucket_mb", [None, BUCKET_MB], ids=["one-bucket", "buckets"])
+def test_a_parameter_only_one_rank_used_is_averaged_with_zeros(bucket_mb):
+    """As data parallel does (DistributedAdam: all-reduce with zeros for None). The gradient buffer
+    starts uninitialised (FlatBucket.scratch), so the missing gradient must be written as zeros."""
+    zero1 = run_ranks(_one_rank_skips, 2, partial(zerokit.ZeRO1Adam, lr=LR, weight_decay=WD, bucket_mb=bucket_mb))
+    ddp = run_ranks(_one_rank_skips, 2, partial(zerokit.DistributedAdam, lr=LR, weight_decay=WD))
+    for mine, theirs in zip(zero1, ddp):
+        assert all(torch.equal(mine[n], theirs[n]) for n in theirs)
+        assert not torch.equal(mine["branch.weight"], build_model("branch").branch.weight)  # it was trained
 
 
 def _dropped(rank, world_size):

@@ -23,9 +23,10 @@ Two conventions, both reported:
 Both are computed from the calls. `WireCounter` measures instead: the bytes this process
 actually wrote to its sockets (Linux's /proc/self/io), which is what gloo's TCP transport
 really sent, whatever algorithm it chose. On gloo (torch 2.13) all-reduce and all-gather
-send exactly the ring figure, but reduce-scatter sends as much as an all-reduce,
+send exactly the ring figure, but torch's reduce-scatter sends as much as an all-reduce,
 2 * volume * (N-1)/N: gloo implements it with its all-reduce machinery. NCCL's
-reduce-scatter is a true ring.
+reduce-scatter is a true ring, and so is zerokit's own on gloo (zerokit.collectives, what the
+ZeRO stages call).
 """
 
 import time
@@ -39,7 +40,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 __all__ = ["CommCounter", "WireCounter", "CollectiveCall", "theory_volume", "trace_step", "reduce_scatter",
            "all_gather"]
 
-# the public spelling changed in torch 2.13: *_tensor is deprecated in favour of *_single
+from .collectives import COMPOSITE  # noqa: E402  (zerokit.collectives' own, counted as one collective each)
+
+# the public spelling changed in torch 2.13: *_tensor is deprecated in favour of *_single. These are
+# torch's, the ones the lessons call; zerokit's stages call zerokit.collectives' (direct on gloo).
 reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -137,7 +141,13 @@ class CommCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         ns, name = func.namespace, func.__name__.split(".")[0]
-        if ns == "c10d" and name in _C10D:
+        if ns == "c10d" and COMPOSITE.current is not None:  # a part of zerokit's reduce-scatter or all-gather
+            if id(self) not in COMPOSITE.recorded_by:  # count the whole once, as what it stands for
+                op, sized_by, group_size = COMPOSITE.current
+                COMPOSITE.recorded_by.add(id(self))
+                self.calls.append(CollectiveCall(op, sized_by.numel(), sized_by.element_size(), group_size,
+                                                 self._now()))
+        elif ns == "c10d" and name in _C10D:
             op, idx = _C10D[name]
             if idx is not None:
                 numel, esize = _numel(args[idx])

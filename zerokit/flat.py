@@ -81,6 +81,14 @@ class FlatBucket:
         p = self.params[0]
         return torch.zeros(self.padded_numel, dtype=dtype or p.dtype, device=device or p.device)
 
+    def scratch(self, dtype=None, device=None):
+        """A full-size flat buffer for the caller to overwrite whole: zero only in its padding.
+        (Zero-filling all of it would be one more pass over memory, on every step.)"""
+        p = self.params[0]
+        flat = torch.empty(self.padded_numel, dtype=dtype or p.dtype, device=device or p.device)
+        flat[self.numel:].zero_()
+        return flat
+
     def flatten(self, tensors, dtype=None, device=None):
         """Copy tensors (one per parameter, None meaning zeros) into a new padded flat buffer."""
         flat = self.empty(dtype, device)

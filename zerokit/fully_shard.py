@@ -48,7 +48,7 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from .activations import in_backward
-from .comm import all_gather
+from .collectives import all_gather  # torch's, but direct on gloo
 from .elementwise import SegmentShard
 from .mixed_precision import MixedPrecision, as_dtype
 from .zero3 import ZeRO3Adam

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from .adam import adamw_update_, check_hyperparameters
-from .comm import all_gather, reduce_scatter
+from .collectives import all_gather, reduce_scatter  # torch's, but direct on gloo (the ring's bytes)
 from .ddp import broadcast_parameters
 from .flat import FlatBucket, make_buckets
 from .mixed_precision import precision_state
@@ -255,7 +255,7 @@ class ZeRO1Adam(torch.optim.Optimizer):
         if param.grad.requires_grad:  # backward(create_graph=True): leave the graph intact
             return
         if self._grad_buffers[bi] is None:  # the first gradient of this bucket since the last step
-            self._grad_buffers[bi] = self.buckets[bi].empty()
+            self._grad_buffers[bi] = self.buckets[bi].scratch()  # every view is written before it is read
         offset, numel = self.buckets[bi].offsets[j], param.numel()
         view = self._grad_buffers[bi][offset:offset + numel].view_as(param)
         if param.grad.data_ptr() != view.data_ptr():  # a new gradient, not one accumulated in place

@@ -37,7 +37,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from .comm import reduce_scatter
+from .collectives import reduce_scatter  # torch's, but direct on gloo (the ring's bytes)
 from .zero1 import ZeRO1Adam, weak_hook
 
 __all__ = ["ZeRO2Adam", "weak_hook"]

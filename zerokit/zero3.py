@@ -53,7 +53,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 
 from .activations import in_backward
-from .comm import all_gather
+from .collectives import all_gather  # torch's, but direct on gloo
 from .flat import FlatBucket
 from .zero2 import ZeRO2Adam, weak_hook
 

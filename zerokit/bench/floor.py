@@ -5,16 +5,16 @@ fastest local AdamW update (fused `torch.optim.AdamW`, on one flat tensor) of th
 this rank updates (Psi for ddp, Psi/N for ZeRO), plus the raw collectives for the
 theoretical volume on one flat fp32 buffer (all-reduce Psi; reduce-scatter Psi + all-gather
 Psi; ZeRO-3 a second all-gather). Timed per stage, interleaved with the stage's two
-systems. Overlapping communication with compute can in principle go below it. On gloo (CPU)
-a reduce-scatter plus an all-gather take about twice as long as an all-reduce of the same
-buffer (gloo builds them with extra copies), which is why the ZeRO floors sit above DDP's.
+systems. Overlapping communication with compute can in principle go below it. The
+collectives are zerokit's (zerokit.collectives): on gloo a direct exchange for the
+reduce-scatter and N broadcasts for the all-gather, about twice as fast as gloo's own.
 """
 
 import torch
 import torch.distributed as dist
 
 import zerokit
-from zerokit.comm import all_gather, reduce_scatter
+from zerokit.collectives import all_gather, reduce_scatter
 from zerokit.models import loss_for
 
 from .timing import time_together

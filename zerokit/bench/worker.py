@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import zerokit
-from zerokit.comm import all_gather, reduce_scatter
+from zerokit import collectives, comm
 from zerokit.models import loss_for
 
 from .runs import run_stage
@@ -32,9 +32,10 @@ def warm_process(rank, world_size, opts, device):
     full = torch.zeros(world_size * 1024, device=device)
     part = torch.zeros(1024, device=device)
     dist.all_reduce(full)
-    reduce_scatter(part, full)
-    reduce_scatter(part, full, op=dist.ReduceOp.AVG)
-    all_gather(full, part)
+    for impl in (comm, collectives):  # torch's (the peers') and zerokit's (direct on gloo)
+        impl.reduce_scatter(part, full)
+        impl.reduce_scatter(part, full, op=dist.ReduceOp.AVG)
+        impl.all_gather(full, part)
     dist.broadcast(full, 0)
     dist.barrier()
 
