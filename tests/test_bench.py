@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG_FIELDS = {"name", "stage", "system", "label", "step_time_s", "floor_s", "vs_floor", "memory_per_rank",
@@ -135,3 +136,21 @@ def test_sweep_writes_json_and_plot_and_its_bytes_match_theory(tmp_path):
         state = {r["stage"]: r["model_state"]["measured"]["total"] for r in rows if r["psi"] == psi
                  and r["world_size"] == 2}
         assert state["zero3"] == pytest.approx(state["ddp"] / 2, rel=0.01), state
+
+
+def test_the_mlp_preset_trains_and_describes_itself():
+    """`--model mlp`: the bench's other model shape (blocks for the wrappers' units, its own data and loss)."""
+    from zerokit.bench import workload
+
+    cfg = dict(workload.MODELS["mlp"], sizes=(7, 11, 5, 3), batch=4)
+    model = workload.make_model(cfg, "cpu", seed=0)
+    assert len(model.blocks) == 2 and sum(p.numel() for p in model.parameters()) == 7 * 11 + 11 + 11 * 5 + 5 + 5 * 3 + 3
+    x, y = workload.rank_batch(cfg, 0, rank=1, world_size=2, device="cpu")
+    assert x.shape == (4, 7) and y.shape == (4, 3)
+    opt = torch.optim.AdamW(model.parameters(), **workload.HYPER)
+    first = workload.train_step(model, opt, x, y, cfg).item()
+    assert workload.train_step(model, opt, x, y, cfg).item() < first  # the same batch again: the loss fell
+    assert workload.describe(cfg, "mlp", 186) == "MLP 'mlp': 0.00 M parameters (widths 7-11-5-3), 4 samples per rank"
+    assert workload.MODELS["mlp"]["sizes"][0] > 100  # the preset itself: a few million parameters
+    psi = sum(a * b + b for a, b in zip(workload.MODELS["mlp"]["sizes"][:-1], workload.MODELS["mlp"]["sizes"][1:]))
+    assert 2e6 < psi < 8e6

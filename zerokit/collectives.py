@@ -65,22 +65,18 @@ def _counted_as(op, sized_by, group_size):
 
 
 class _Done:
-    """The work handle of a composite collective: wait() waits for its parts, then runs
-    `finish` (the local sum of a reduce-scatter) once."""
+    """The work handle of a composite collective: wait() waits for its parts (works, or futures)."""
 
-    def __init__(self, works, finish=None):
-        self._works, self._finish = works, finish
+    def __init__(self, parts):
+        self._parts = parts
 
     def wait(self, *args, **kwargs):
-        while self._works:
-            self._works.pop(0).wait()
-        if self._finish is not None:
-            finish, self._finish = self._finish, None  # drop what it holds (the receive buffer)
-            finish()
+        while self._parts:
+            self._parts.pop(0).wait()
         return True
 
     def is_completed(self):
-        return self._finish is None and not self._works
+        return not self._parts
 
 
 def _direct(group):
@@ -95,16 +91,19 @@ def reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=None, async_op=Fal
     if input.numel() != n * output.numel():
         raise ValueError(f"reduce_scatter: the input has {input.numel()} elements, not {n} x the output's "
                          f"{output.numel()}")
-    received = torch.empty_like(input)  # row j: what rank j sent for this rank's chunk
+    received = [torch.empty_like(input)]  # row j: what rank j sent for this rank's chunk
     with _counted_as("reduce_scatter", input, n):
-        work = dist.all_to_all_single(received, input.contiguous(), group=group, async_op=True)
+        work = dist.all_to_all_single(received[0], input.contiguous(), group=group, async_op=True)
 
-    def finish():
-        torch.sum(received.view(n, -1), dim=0, out=output.view(-1))
+    def finish(_):
+        # on gloo's thread, as soon as the transfer is done: the receive buffer is freed here,
+        # not when the caller gets round to wait() (ZeRO-1 sends every bucket during backward)
+        rows = received.pop().view(n, -1)
+        torch.sum(rows, dim=0, out=output.view(-1))
         if op == dist.ReduceOp.AVG:
             output.div_(n)
 
-    done = _Done([work], finish)
+    done = _Done([work.get_future().then(finish)])
     return done if async_op else done.wait() and None
 
 

@@ -2,6 +2,7 @@ r"""zerokit against PyTorch's own ZeRO implementations, on one model, one data s
 
     python -m zerokit.bench                          # world size 2, the small transformer
     python -m zerokit.bench --world-size 4 --model medium --steps 50
+    python -m zerokit.bench --model mlp              # a plain MLP of 3.8 M parameters instead
     python -m zerokit.bench.demo                     # `make demo`: zerokit's stages beside the paper
 
 Each stage (data parallel, ZeRO-1, ZeRO-2, ZeRO-3) runs three times: as its PyTorch peer (DDP +

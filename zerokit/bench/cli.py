@@ -22,7 +22,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m zerokit.bench", description=zerokit.bench.__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--world-size", "-n", type=int, default=2)
-    p.add_argument("--model", choices=sorted(MODELS), default="small", help="TinyTransformer preset")
+    p.add_argument("--model", choices=sorted(MODELS), default="small", help="TinyTransformer preset, or a plain MLP")
     p.add_argument("--dim", type=int, help="override the preset's width")
     p.add_argument("--n-layers", type=int)
     p.add_argument("--vocab", type=int)

@@ -15,10 +15,9 @@ import torch.distributed as dist
 
 import zerokit
 from zerokit.collectives import all_gather, reduce_scatter
-from zerokit.models import loss_for
 
 from .timing import time_together
-from .workload import HYPER, make_model, rank_batch
+from .workload import HYPER, loss_of, make_model, rank_batch
 
 
 class Floor:
@@ -36,6 +35,7 @@ class Floor:
 
     def __init__(self, stage, rank, world_size, opts, device, psi):
         self.device = device
+        self.model_cfg = opts["model"]
         self.model = make_model(opts["model"], device, opts["seed"])
         self.x, self.y = rank_batch(opts["model"], 0, rank, world_size, device)
         shard = -(-psi // world_size)
@@ -59,7 +59,7 @@ class Floor:
         self.train(timed=False)
 
     def fwd_bwd(self):
-        loss_for("transformer", self.model(self.x), self.y).backward()
+        loss_of(self.model_cfg, self.model(self.x), self.y).backward()
         self.model.zero_grad(set_to_none=True)
 
     def comm(self):

@@ -14,13 +14,12 @@ import torch
 import torch.distributed as dist
 
 from zerokit.comm import WireCounter
-from zerokit.models import loss_for
 
 from .accounting import Instrument, allocated_bytes
 from .floor import Floor
 from .systems import build
 from .timing import sync
-from .workload import eval_batch, rank_batch, train_step
+from .workload import eval_batch, loss_of, rank_batch, train_step
 
 
 class Run:
@@ -42,7 +41,7 @@ class Run:
             dist.barrier()
             sync(self.device)
         t0, c0 = time.perf_counter(), time.process_time()
-        loss = train_step(self.model, self.opt, x, y)
+        loss = train_step(self.model, self.opt, x, y, self.opts["model"])
         sync(self.device)
         if timed:
             self.times.append(time.perf_counter() - t0)
@@ -58,14 +57,14 @@ class Run:
         x, y = self.batch()
         self.inst = Instrument(self.model, self.opt, self.device, self.baseline)
         with WireCounter() as self.wire, self.inst:
-            loss = train_step(self.model, self.opt, x, y)
+            loss = train_step(self.model, self.opt, x, y, self.opts["model"])
         self.losses.append(loss.item())
         self.step += 1
 
     def result(self):
         ex, ey = eval_batch(self.opts["model"], self.device)
         with torch.no_grad():
-            final = loss_for("transformer", self.model(ex), ey).item()
+            final = loss_of(self.opts["model"], self.model(ex), ey).item()
         inst = self.inst
         return {
             "name": self.config.name,

@@ -2,6 +2,7 @@
 floor, then zerokit / PyTorch peer ratios, then what each column means."""
 
 from .systems import BASELINE
+from .workload import describe
 
 
 def mib(b):
@@ -13,9 +14,7 @@ def format_table(summary) -> str:
     m = meta["model"]
     lines = [
         f"world size {meta['world_size']} ({meta['backend']}, {meta['device']}), torch {meta['torch']}; "
-        f"TinyTransformer '{m['name']}': {m['parameters'] / 1e6:.2f} M parameters (dim {m['dim']}, "
-        f"{m['n_layers']} layers, vocab {m['vocab']}), {m['batch']} x {m['seq_len']} tokens per rank; "
-        f"median of {meta['steps']} steps after {meta['warmup']} warm-up + 1 instrumented",
+        f"{describe(m, m['name'], m['parameters'])}; median of {meta['steps']} steps after {meta['warmup']} warm-up + 1 instrumented",
         "",
         f"{'configuration':32s} {'stage':5s} {'ms/step':>8s} {'floor':>7s} {'/floor':>6s} "
         f"{'comm MiB':>8s} {'theory':>7s} {'wire':>6s} {'params':>7s} {'grads':>7s} {'optim':>7s} {'other':>7s} "

@@ -13,12 +13,11 @@ import torch.distributed as dist
 
 import zerokit
 from zerokit import collectives, comm
-from zerokit.models import loss_for
 
 from .runs import run_stage
 from .stages import STAGES
 from .systems import CONFIGS
-from .workload import make_model, rank_batch
+from .workload import loss_of, make_model, rank_batch
 
 
 def warm_process(rank, world_size, opts, device):
@@ -28,7 +27,7 @@ def warm_process(rank, world_size, opts, device):
     model = make_model(opts["model"], device, opts["seed"])
     for step in range(2):
         x, y = rank_batch(opts["model"], step, rank, world_size, device)
-        loss_for("transformer", model(x), y).backward()
+        loss_of(opts["model"], model(x), y).backward()
     full = torch.zeros(world_size * 1024, device=device)
     part = torch.zeros(1024, device=device)
     dist.all_reduce(full)
