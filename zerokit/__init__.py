@@ -15,8 +15,9 @@ The course, one module per idea, in lesson order (each a small step from the las
     offload          08  the optimizer state in memory-mapped files or pinned host memory
 
 The instruments every lesson measures with: comm (collectives counted, theoretical
-volumes; collectives: the reduce-scatter and all-gather the stages call, direct on gloo), memory (theory and census of model-state bytes), models (the model zoo),
-reference (one process running torch.optim.AdamW: the yardstick), figures.
+volumes), memory (theory and census of model-state bytes), models (the model zoo),
+reference (one process running torch.optim.AdamW: the yardstick), figures; and
+collectives, the reduce-scatter and all-gather the stages call (direct on gloo).
 
 The machinery, in wings the course modules never import: launcher/ (`zerokit.launch`:
 a callable on N ranks), grading/ (the checks the notebooks' test cells call, and the

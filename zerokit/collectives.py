@@ -13,8 +13,8 @@ copies the input in and the shard out; its all-gather, measured, takes about twi
 as N broadcasts of the same bytes. Here instead:
 - **reduce-scatter**: one all-to-all sends chunk j of each rank's input straight to rank j,
   and each rank sums the N chunks it received: $S(N-1)$ elements out per rank, the ring's
-  bytes. It needs a receive buffer the size of the input until `wait()` (gloo's own holds a
-  full-size temporary too);
+  bytes. It needs a receive buffer the size of the input until the transfer is done (gloo's
+  own holds a full-size temporary too);
 - **all-gather**: rank i broadcasts its chunk of the output, for every i, in place: no
   temporary at all (what torch's ZeroRedundancyOptimizer does with its updated shards).
 

@@ -22,6 +22,14 @@ from .systems import BASELINE, CONFIGS, DDP_OPTIONS, SYSTEMS, ZERO_REDUNDANCY_OP
 from .workload import HYPER
 
 
+def quartiles(values):
+    """(25th, 75th) percentile: the spread the table prints beside a median."""
+    if len(values) < 2:
+        return (values[0], values[0]) if values else (float("nan"), float("nan"))
+    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return (q1, q3)
+
+
 def summarize(per_rank, opts, world_size):
     psi = per_rank[0]["psi"]
     n = world_size
@@ -32,7 +40,7 @@ def summarize(per_rank, opts, world_size):
             parts[k] = [max(t) for t in zip(*(r["floors"][stage][k] for r in per_rank))]
         total = [sum(v) for v in zip(*parts.values())]
         floors[stage] = {**{f"{k}_s": statistics.median(v) for k, v in parts.items()},
-                         "total_s": statistics.median(total), "update_impl": f0["update_impl"],
+                         "total_s": statistics.median(total), "total_quartiles_s": quartiles(total), "update_impl": f0["update_impl"],
                          "collectives": list(f0["collectives"])}
 
     configs = []
@@ -46,6 +54,7 @@ def summarize(per_rank, opts, world_size):
         configs.append({
             **asdict(cfg),
             "step_time_s": {"median": med, "min": min(steps, default=med), "max": max(steps, default=med),
+                            "quartiles": quartiles(steps),
                             "per_step_slowest_rank": steps},
             "step_cpu_s_per_rank": [statistics.median(r["step_cpu_s"]) if r["step_cpu_s"] else None
                                     for r in ranks],
@@ -88,7 +97,8 @@ def summarize(per_rank, opts, world_size):
         "cpu_count": os.cpu_count(), "threads_per_rank": int(os.environ.get("OMP_NUM_THREADS", "1")),
         "model": {"name": opts["model_name"], **model_cfg, "parameters": psi,
                   "global_batch": model_cfg["batch"] * n},
-        "steps": opts["steps"], "warmup": opts["warmup"], "seed": opts["seed"], "hyperparameters": HYPER,
+        "steps": opts["steps"], "warmup": opts["warmup"], "chunk": opts["chunk"], "seed": opts["seed"],
+        "hyperparameters": HYPER,
         "peer_options": {"ddp": DDP_OPTIONS, "zero_redundancy_optimizer": ZERO_REDUNDANCY_OPTIONS},
         "units": ("FSDP2: one fully_shard per block, then the root; ZeRO3Adam: the same units; "
                   "ZeRO2Adam: gradient buckets of one block's size"),

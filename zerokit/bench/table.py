@@ -9,21 +9,27 @@ def mib(b):
     return b / 2**20
 
 
+def spread(quartiles):
+    return f"{quartiles[0] * 1e3:.1f}-{quartiles[1] * 1e3:.1f}"
+
+
 def format_table(summary) -> str:
     meta, configs = summary["meta"], summary["configs"]
     m = meta["model"]
     lines = [
         f"world size {meta['world_size']} ({meta['backend']}, {meta['device']}), torch {meta['torch']}; "
-        f"{describe(m, m['name'], m['parameters'])}; median of {meta['steps']} steps after {meta['warmup']} warm-up + 1 instrumented",
+        f"{describe(m, m['name'], m['parameters'])}; "
+        f"median of {meta['steps']} steps after {meta['warmup']} warm-up + 1 instrumented",
         "",
-        f"{'configuration':32s} {'stage':5s} {'ms/step':>8s} {'floor':>7s} {'/floor':>6s} "
+        f"{'configuration':32s} {'stage':5s} {'ms/step':>8s} {'p25-p75':>11s} {'floor':>7s} {'/floor':>6s} "
         f"{'comm MiB':>8s} {'theory':>7s} {'wire':>6s} {'params':>7s} {'grads':>7s} {'optim':>7s} {'other':>7s} "
         f"{'peak MiB':>8s} {'|dloss|':>8s}",
     ]
     for c in configs:
         mp = c["memory_peak"]
         lines.append(
-            f"{c['label']:32s} {c['stage']:5s} {c['step_time_s']['median'] * 1e3:8.1f} {c['floor_s'] * 1e3:7.1f} "
+            f"{c['label']:32s} {c['stage']:5s} {c['step_time_s']['median'] * 1e3:8.1f} "
+            f"{spread(c['step_time_s']['quartiles']):>11s} {c['floor_s'] * 1e3:7.1f} "
             f"{c['vs_floor']:6.2f} {mib(c['comm']['volume_bytes']):8.2f} "
             f"{mib(c['comm']['theory_volume_bytes']):7.2f} {mib(c['comm']['wire_bytes'] or float('nan')):6.2f} "
             f"{mib(mp['parameters']):7.2f} {mib(mp['gradients']):7.2f} {mib(mp['optimizer_states']):7.2f} "
@@ -31,7 +37,8 @@ def format_table(summary) -> str:
     lines += [""] + [
         f"floor {stage:5s}: forward+backward {f['forward_backward_s'] * 1e3:6.1f} ms + update "
         f"{f['update_s'] * 1e3:5.1f} ms + {' + '.join(f['collectives'])} {f['comm_s'] * 1e3:6.1f} ms "
-        f"= {f['total_s'] * 1e3:6.1f} ms" for stage, f in summary["floors"].items()]
+        f"= {f['total_s'] * 1e3:6.1f} ms (p25-p75 {spread(f['total_quartiles_s'])})"
+        for stage, f in summary["floors"].items()]
     lines += ["", f"{'zerokit / PyTorch peer':32s} {'stage':5s} {'time':>6s} {'peak mem':>8s} "
                   f"{'model state':>11s} {'comm':>6s}"]
     for r in summary["ratios"]:
@@ -39,6 +46,8 @@ def format_table(summary) -> str:
                      f"{r['model_state']:11.2f} {r['comm']:6.2f}")
     lines += [
         "",
+        f"ms/step: the median over the timed steps of the slowest rank's step, p25-p75 their quartiles; each "
+        f"stage's two systems and its floor are timed in turns, {meta['chunk']} steps at a time.",
         "comm: volume per rank per step, ZeRO paper's convention (a ring sends (N-1)/N of it); theory 2 Psi, "
         "3 Psi for zero3, fp32; wire: bytes the rank really wrote to its sockets in that step (/proc/self/io).",
         "memory: per rank (the highest), each column its own peak over one step, so they need not add up; "

@@ -28,7 +28,8 @@ class MLP(nn.Module):
 
     def __init__(self, sizes):
         super().__init__()
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(a, b), nn.Tanh()) for a, b in zip(sizes[:-2], sizes[1:-1]))
+        pairs = zip(sizes[:-2], sizes[1:-1])
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(a, b), nn.Tanh()) for a, b in pairs)
         self.head = nn.Linear(sizes[-2], sizes[-1])
 
     def forward(self, x):
@@ -79,8 +80,9 @@ def eval_batch(model_cfg, device):
 def describe(model_cfg, name, parameters):
     """The model in one line, for the table."""
     if kind(model_cfg) == "mlp":
-        return (f"MLP '{name}': {parameters / 1e6:.2f} M parameters (widths {'-'.join(map(str, model_cfg['sizes']))}), "
-                f"{model_cfg['batch']} samples per rank")
+        widths = "-".join(map(str, model_cfg["sizes"]))
+        per_rank = model_cfg["batch"]
+        return f"MLP '{name}': {parameters / 1e6:.2f} M parameters (widths {widths}), {per_rank} samples per rank"
     return (f"TinyTransformer '{name}': {parameters / 1e6:.2f} M parameters (dim {model_cfg['dim']}, "
             f"{model_cfg['n_layers']} layers, vocab {model_cfg['vocab']}), {model_cfg['batch']} x "
             f"{model_cfg['seq_len']} tokens per rank")
