@@ -5,7 +5,8 @@ r"""The reduce-scatter and the all-gather every ZeRO stage is built from, as zer
 
 The same contract as torch's `reduce_scatter_single` and `all_gather_single` (their names
 in torch 2.13; `*_tensor` before), which the lessons call through `zerokit.comm`; zerokit's
-stages call these. On NCCL, and on any backend but gloo, they are torch's.
+stages call these. On NCCL, and on gloo with GPU tensors (`ZEROKIT_DEVICE=cuda`), they are
+torch's.
 
 On gloo they are built from simpler collectives, because gloo's own are slow (lesson 00):
 its reduce-scatter runs its all-reduce over the whole input, twice the ring's bytes, and
@@ -79,14 +80,15 @@ class _Done:
         return not self._parts
 
 
-def _direct(group):
-    return dist.get_backend(group) == "gloo"
+def _direct(group, tensor):
+    """Build it here: gloo, with tensors in host memory (the only case measured)."""
+    return tensor.device.type == "cpu" and dist.get_backend(group) == "gloo"
 
 
 def reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
     """output = op over the ranks of this rank's chunk of input; op SUM or AVG on gloo."""
     n = dist.get_world_size(group)
-    if not _direct(group) or op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG) or not output.is_floating_point():
+    if not _direct(group, input) or op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG) or not output.is_floating_point():
         return _torch_reduce_scatter(output, input, op=op, group=group, async_op=async_op)
     if input.numel() != n * output.numel():
         raise ValueError(f"reduce_scatter: the input has {input.numel()} elements, not {n} x the output's "
@@ -109,7 +111,7 @@ def reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=None, async_op=Fal
 
 def all_gather(output, input, group=None, async_op=False):
     """output = the ranks' inputs, in rank order; `input` may be this rank's chunk of `output`."""
-    if not _direct(group):
+    if not _direct(group, output):
         return _torch_all_gather(output, input, group=group, async_op=async_op)
     n, rank = dist.get_world_size(group), dist.get_rank(group)
     if output.numel() != n * input.numel():

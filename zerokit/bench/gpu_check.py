@@ -445,6 +445,8 @@ def lesson_checks(target):
 COVERS = {
     "launch_auto": ["zerokit/launcher/backend.py:resolve_backend", "zerokit/launcher/backend.py:rank_device",
                     "zerokit/launcher/worker.py:main"],
+    # gloo with CUDA tensors: zerokit.collectives hands them to torch's own reduce-scatter and all-gather
+    "shared_gpu": ["zerokit/collectives.py:_direct"],
     "memory": ["zerokit/memory.py:MemoryProbe.__enter__", "zerokit/memory.py:MemoryProbe.__exit__"],
     "offload": ["zerokit/offload.py:offload_place", "zerokit/offload.py:PinnedPlace.__init__",
                 "zerokit/offload.py:PinnedPlace.begin", "zerokit/zero1.py:ShardedAdamState.update"],
