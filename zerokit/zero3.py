@@ -232,9 +232,9 @@ class ShardedParameters(ZeRO2Adam):
         return full
 
     # Beyond the exercise: one full-size transfer at a time. A transfer in flight holds
-    # full-size memory besides its output (a gathered unit; on gloo also a full-size temporary
-    # per all-gather until it completes, and per reduce-scatter until its work is dropped), and
-    # backward's peak is where these meet the activations. So a new gather (the prefetch) first
+    # full-size memory besides its output (a gathered unit; a reduce-scatter's receive buffer
+    # until it completes, zerokit.collectives), and backward's peak is where these meet the
+    # activations. So a new gather (the prefetch) first
     # finishes the gather in flight, whose unit is needed next anyway, and receives every
     # reduce-scatter; _send likewise finishes gathers and frees its unit before it sends. The
     # prefetch still overlaps the unit's compute. (Inline in _start_gather, not a method: the
@@ -366,10 +366,12 @@ class ZeRO3Adam(ShardedParameters):
                     self._finish_gather(bi)
 
     # Beyond the exercise: on gloo, backward's prefetch is received at once, before unit u
-    # computes. A gloo all-gather holds a full-size temporary until the slower rank joins it,
-    # and backward's first units (the head's logits, the last block's MLP) are where the
+    # computes. gloo's own all-gather held a full-size temporary until the slower rank joined
+    # it, and backward's first units (the head's logits, the last block's MLP) are where the
     # activations peak: left in flight, the prefetch put that temporary on top of the step's
-    # peak. PyTorch FSDP2 on CPU waits for its backward prefetch as soon as it is issued too.
+    # peak. (zerokit.collectives' all-gather, N broadcasts in place, has no such temporary; the
+    # bench's peak was the same without this wait then.) PyTorch FSDP2 on CPU waits for its
+    # backward prefetch as soon as it is issued too.
     # The next unit is still gathered before its backward begins; forward's prefetch keeps
     # overlapping, and so does backward's on NCCL. (Inline, not a method: the lesson's grader
     # runs this _pre_backward on a student's class.)

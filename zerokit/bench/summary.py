@@ -40,8 +40,8 @@ def summarize(per_rank, opts, world_size):
             parts[k] = [max(t) for t in zip(*(r["floors"][stage][k] for r in per_rank))]
         total = [sum(v) for v in zip(*parts.values())]
         floors[stage] = {**{f"{k}_s": statistics.median(v) for k, v in parts.items()},
-                         "total_s": statistics.median(total), "total_quartiles_s": quartiles(total), "update_impl": f0["update_impl"],
-                         "collectives": list(f0["collectives"])}
+                         "total_s": statistics.median(total), "total_quartiles_s": quartiles(total),
+                         "update_impl": f0["update_impl"], "collectives": list(f0["collectives"])}
 
     configs = []
     for i, entry in enumerate(per_rank[0]["configs"]):
