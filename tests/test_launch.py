@@ -390,15 +390,24 @@ print(json.dumps({"kernel": os.getpid(), "server": server.pid, "server_parent": 
 
 
 @pytest.mark.timeout(180)
-def test_a_grading_kernel_forks_its_own_fork_server(tmp_path):
+@pytest.mark.parametrize("started_by", ["grader", "nbmake"])
+def test_a_preforked_kernel_forks_its_own_fork_server(tmp_path, pytestconfig, started_by):
+    """The grader's kernels, and the kernel nbmake runs the solution notebooks in (tests/jupyter)."""
     import asyncio
     import json
 
+    from jupyter_client.manager import AsyncKernelManager
+
+    from conftest import KERNEL
     from zerokit.grading.autograde.kernel import GradingKernelManager
     from zerokit.launcher.processes import alive
 
     async def run():
-        km = GradingKernelManager(socket_dir=str(tmp_path), workdir=str(tmp_path))
+        if started_by == "grader":
+            km = GradingKernelManager(socket_dir=str(tmp_path), workdir=str(tmp_path))
+        else:
+            assert pytestconfig.option.nbmake_kernel == KERNEL
+            km = AsyncKernelManager(kernel_name=KERNEL)
         await km.start_kernel()
         kc = km.client()
         kc.start_channels()

@@ -24,6 +24,7 @@ from ...widgets import progress
 from ..lessons import LESSONS, ROOT, SOLUTIONS, lesson_ids, nbgrader_env, release_drift
 from . import sandbox
 from .course import course_config, run_app, write_course_config
+from .feedback import warm_up
 from .grades_csv import write_grades_csv
 from .integrity import Baseline
 from .job import Job
@@ -109,6 +110,8 @@ def grade(submissions, lessons=None, students=None, course_dir=ROOT, out=None, j
                     "result": str(logs / student / f"{lesson}.json")},
                    logs / student / f"{lesson}.log", f"{run_id}/{student}/{lesson}")
                for student, lesson in todo]
+    release = Path(cfg.CourseDirectory.release_directory)
+    warm_up(release / graded_lessons[0] / f"{graded_lessons[0]}.ipynb")  # once here, not in every grader
     baseline = Baseline.course()
     echo(walled)
     echo(f"grader's files verified around every notebook: {baseline.fingerprint()}")
