@@ -35,8 +35,17 @@ MODEL_CLASSES = {"mlp": OddMLP, "edge": EdgeCaseNet}
 # here (8.2 against 12.3 s for lesson 02; all eleven 184 against 212 s). The notebooks still
 # name python3, the kernel students get, and `pytest solutions/...` alone runs them in it.
 KERNEL = "zerokit-preforked"
+_JUPYTER_PATH = os.environ.get("JUPYTER_PATH")
 os.environ["JUPYTER_PATH"] = os.pathsep.join([str(Path(__file__).resolve().parent / "jupyter"),
-                                              *filter(None, [os.environ.get("JUPYTER_PATH")])])
+                                              *filter(None, [_JUPYTER_PATH])])
+
+
+def students_env(**extra):
+    """This environment with the kernels students get (JupyterLab in test_browser: no zerokit-preforked)."""
+    env = {k: v for k, v in os.environ.items() if k != "JUPYTER_PATH"}
+    if _JUPYTER_PATH:
+        env["JUPYTER_PATH"] = _JUPYTER_PATH
+    return {**env, **extra}
 
 
 def pytest_configure(config):

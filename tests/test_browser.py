@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import chromium
+from conftest import chromium, students_env
 from zerokit import widgets
 from zerokit.grading.lessons import lesson_ids
 from zerokit.memory import theory_bytes
@@ -97,7 +97,7 @@ def lab(course):
         [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--allow-root", "--ip=127.0.0.1", f"--port={port}",
          f"--IdentityProvider.token={TOKEN}", f"--ServerApp.root_dir={course}"],
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        env={**os.environ, "JUPYTERLAB_SETTINGS_DIR": str(settings)})
+        env=students_env(JUPYTERLAB_SETTINGS_DIR=str(settings)))
     url = f"http://127.0.0.1:{port}"
     try:
         for _ in range(300):
