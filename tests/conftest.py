@@ -32,8 +32,9 @@ MODEL_CLASSES = {"mlp": OddMLP, "edge": EdgeCaseNet}
 # kernel the grader starts (grading/autograde/kernel.py), which imports torch once and forks its
 # fork server from there before ipykernel starts. A plain ipykernel imports torch in the first
 # cell and again in the fork server of the first launch: about 4 s of wall time per notebook
-# here (8.2 against 12.3 s for lesson 02; all eleven 184 against 212 s). The notebooks still
-# name python3, the kernel students get, and `pytest solutions/...` alone runs them in it.
+# on 2 cores (lesson 02, runs alternating: 8.3 and 8.1 s here, 12.5 and 12.2 s in python3).
+# The notebooks still name python3, the kernel students get, and `pytest solutions/...` alone
+# runs them in it.
 KERNEL = "zerokit-preforked"
 _JUPYTER_PATH = os.environ.get("JUPYTER_PATH")
 os.environ["JUPYTER_PATH"] = os.pathsep.join([str(Path(__file__).resolve().parent / "jupyter"),
