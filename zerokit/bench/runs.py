@@ -8,6 +8,7 @@ global batch).
 """
 
 import gc
+import resource
 import time
 
 import torch
@@ -22,6 +23,10 @@ from .timing import sync
 from .workload import eval_batch, loss_of, rank_batch, train_step
 
 
+def _minor_faults():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 class Run:
     """One live configuration: its model, optimizer, step counter and measurements."""
 
@@ -30,7 +35,7 @@ class Run:
         gc.collect()
         self.baseline = allocated_bytes(device)  # what the process held before this config
         self.model, self.opt = build(config, opts["model"], device, opts["seed"])
-        self.step, self.losses, self.times, self.cpu_times = 0, [], [], []
+        self.step, self.losses, self.times, self.cpu_times, self.faults = 0, [], [], [], []
 
     def batch(self):
         return rank_batch(self.opts["model"], self.step, self.rank, self.world_size, self.device)
@@ -40,12 +45,13 @@ class Run:
         if timed:
             dist.barrier()
             sync(self.device)
-        t0, c0 = time.perf_counter(), time.process_time()
+        t0, c0, f0 = time.perf_counter(), time.process_time(), _minor_faults()
         loss = train_step(self.model, self.opt, x, y, self.opts["model"])
         sync(self.device)
         if timed:
             self.times.append(time.perf_counter() - t0)
             self.cpu_times.append(time.process_time() - c0)  # all threads of this rank
+            self.faults.append(_minor_faults() - f0)  # pages the kernel mapped in during the step
         self.losses.append(loss.item())
         self.step += 1
 
@@ -70,6 +76,7 @@ class Run:
             "name": self.config.name,
             "step_times_s": self.times,
             "step_cpu_s": self.cpu_times,
+            "step_page_faults": self.faults,
             "train_losses": self.losses,
             "final_loss": final,
             "memory": {**inst.peak, "samples": inst.samples, "at_peak": inst.at_peak},

@@ -58,6 +58,13 @@ def summarize(per_rank, opts, world_size):
                             "per_step_slowest_rank": steps},
             "step_cpu_s_per_rank": [statistics.median(r["step_cpu_s"]) if r["step_cpu_s"] else None
                                     for r in ranks],
+            # minor page faults per timed step: the median, on the rank with the most. A step that frees
+            # large buffers may hand them back to the kernel (glibc's thresholds move with what the
+            # process frees) and fault them in again, a page at a time: zerokit's ZeRO-1, in a loop of its
+            # own, had 2,100 and 3,700 a step in two runs (1.11 and 1.06 times the peer's step) and 6 in
+            # another (1.02); in the bench, 10 in every run so far. The peers: 0 to 2.
+            "page_faults_per_step": max((statistics.median(r["step_page_faults"]) for r in ranks
+                                         if r.get("step_page_faults")), default=None),
             "floor_s": floors[cfg.stage]["total_s"],
             "vs_floor": med / floors[cfg.stage]["total_s"],
             "memory_per_rank": [{k: r["memory"][k] for k in MODEL_STATE + ("other", "total")} for r in ranks],

@@ -13,6 +13,10 @@ def spread(quartiles):
     return f"{quartiles[0] * 1e3:.1f}-{quartiles[1] * 1e3:.1f}"
 
 
+def _count(n):
+    return "-" if n is None else f"{n:.0f}"
+
+
 def format_table(summary) -> str:
     meta, configs = summary["meta"], summary["configs"]
     m = meta["model"]
@@ -23,7 +27,7 @@ def format_table(summary) -> str:
         "",
         f"{'configuration':32s} {'stage':5s} {'ms/step':>8s} {'p25-p75':>11s} {'floor':>7s} {'/floor':>6s} "
         f"{'comm MiB':>8s} {'theory':>7s} {'wire':>6s} {'params':>7s} {'grads':>7s} {'optim':>7s} {'other':>7s} "
-        f"{'peak MiB':>8s} {'|dloss|':>8s}",
+        f"{'peak MiB':>8s} {'|dloss|':>8s} {'faults':>6s}",
     ]
     for c in configs:
         mp = c["memory_peak"]
@@ -33,7 +37,8 @@ def format_table(summary) -> str:
             f"{c['vs_floor']:6.2f} {mib(c['comm']['volume_bytes']):8.2f} "
             f"{mib(c['comm']['theory_volume_bytes']):7.2f} {mib(c['comm']['wire_bytes'] or float('nan')):6.2f} "
             f"{mib(mp['parameters']):7.2f} {mib(mp['gradients']):7.2f} {mib(mp['optimizer_states']):7.2f} "
-            f"{mib(mp['other']):7.2f} {mib(mp['total']):8.2f} {c['loss']['final_diff']:8.1e}")
+            f"{mib(mp['other']):7.2f} {mib(mp['total']):8.2f} {c['loss']['final_diff']:8.1e} "
+            f"{_count(c.get('page_faults_per_step')):>6s}")
     lines += [""] + [
         f"floor {stage:5s}: forward+backward {f['forward_backward_s'] * 1e3:6.1f} ms + update "
         f"{f['update_s'] * 1e3:5.1f} ms + {' + '.join(f['collectives'])} {f['comm_s'] * 1e3:6.1f} ms "
@@ -54,6 +59,8 @@ def format_table(summary) -> str:
         "peak = all bytes allocated, C++ buffers and activations included; other = peak - model state.",
         "ratios: zerokit / peer of median step time, peak memory (all), model state (parameters + gradients + "
         "optimizer state, own peaks) and comm volume.",
+        "faults: minor page faults per timed step (median; the rank with the most): memory the step maps in "
+        "anew, a page at a time (freed by the last step and handed back to the kernel).",
     ]
     # name the baseline: without torch-ddp (--configs) the first configuration stands in for it
     base = configs[0]["loss"]["baseline"] if configs else BASELINE
