@@ -42,6 +42,7 @@ def test_bench_command_writes_table_json_and_plot(tmp_path):
     for name, c in configs.items():
         assert CONFIG_FIELDS <= set(c), name
         assert c["step_time_s"]["median"] > 0 and c["floor_s"] > 0, name
+        assert c["page_faults_per_step"] is not None and c["page_faults_per_step"] >= 0, name  # counted per step
         assert len(c["memory_per_rank"]) == 2
         for rank_memory in c["memory_per_rank"]:
             assert MEMORY_FIELDS <= set(rank_memory), name
