@@ -65,7 +65,7 @@ def summarize(per_rank, opts, world_size):
             # another (1.02); in the bench, 8 to 16 in most runs and 1,000 to 1,500 in two of four MLP runs
             # at N = 4. The peers: 0 to 2 in every run.
             "page_faults_per_step": max((statistics.median(r["step_page_faults"]) for r in ranks
-                                         if r.get("step_page_faults")), default=None),
+                                         if r["step_page_faults"]), default=None),
             "floor_s": floors[cfg.stage]["total_s"],
             "vs_floor": med / floors[cfg.stage]["total_s"],
             "memory_per_rank": [{k: r["memory"][k] for k in MODEL_STATE + ("other", "total")} for r in ranks],

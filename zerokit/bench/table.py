@@ -38,7 +38,7 @@ def format_table(summary) -> str:
             f"{mib(c['comm']['theory_volume_bytes']):7.2f} {mib(c['comm']['wire_bytes'] or float('nan')):6.2f} "
             f"{mib(mp['parameters']):7.2f} {mib(mp['gradients']):7.2f} {mib(mp['optimizer_states']):7.2f} "
             f"{mib(mp['other']):7.2f} {mib(mp['total']):8.2f} {c['loss']['final_diff']:8.1e} "
-            f"{_count(c.get('page_faults_per_step')):>6s}")
+            f"{_count(c['page_faults_per_step']):>6s}")
     lines += [""] + [
         f"floor {stage:5s}: forward+backward {f['forward_backward_s'] * 1e3:6.1f} ms + update "
         f"{f['update_s'] * 1e3:5.1f} ms + {' + '.join(f['collectives'])} {f['comm_s'] * 1e3:6.1f} ms "
