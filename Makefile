@@ -16,6 +16,8 @@ SUBMISSIONS ?= submitted
 LESSON      ?=
 NO_SANDBOX  ?=
 PYTEST_ARGS ?=
+# pytest-xdist workers (tests/conftest.py says why two on two cores); 0 runs every test in one process
+TEST_WORKERS ?= 2
 
 # the browser test (tests/test_browser.py) drives the system's Chromium
 CHROMIUM    ?= /usr/bin/chromium
@@ -87,7 +89,7 @@ demo: setup
 	$(BIN)/python -m zerokit.bench.demo
 
 test: setup sandbox $(CHROMIUM)
-	ZEROKIT_CHROMIUM=$(CHROMIUM) $(BIN)/python -m pytest $(PYTEST_ARGS)
+	ZEROKIT_CHROMIUM=$(CHROMIUM) $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 lessons: setup
 	$(BIN)/python -m zerokit.grading.lessons generate

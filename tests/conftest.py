@@ -54,6 +54,32 @@ def pytest_configure(config):
         config.option.nbmake_kernel = KERNEL
 
 
+# `make test` runs the files on two pytest-xdist workers (--dist loadfile): most tests wait more
+# than they compute (process starts, rendezvous, timeouts), and the other worker fills that time.
+# The two grading modules share one worker, one after the other: each checks that no grading
+# process of any run is left on the machine, which the other's run would be while it lasts.
+# They go first: the example submissions' grading (10 min) is the longest unit of work.
+GRADING_FIRST = ("tests/test_autograde.py", "tests/test_autograde_unsandboxed.py")
+
+
+def pytest_collection_modifyitems(items):
+    items.sort(key=lambda item: item.nodeid.split("::")[0] not in GRADING_FIRST)  # stable: else as collected
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadfile":
+        return None  # xdist's own scheduler for the mode asked for
+    from xdist.scheduler import LoadFileScheduling
+
+    class GradingTogether(LoadFileScheduling):
+        def _split_scope(self, nodeid):
+            scope = super()._split_scope(nodeid)
+            return GRADING_FIRST[0] if scope in GRADING_FIRST else scope
+
+    return GradingTogether(config, log)
+
+
 def run_ranks(fn, world_size, *args, timeout=LAUNCH_TIMEOUT):
     """fn(rank, world_size, *args) on world_size gloo ranks; the list of return values."""
     return zerokit.launch(fn, world_size, args=args, backend="gloo", launcher="forkserver",
@@ -193,6 +219,28 @@ def outcome(check, cls, capsys, **kw):
 
 
 # ---- the grading flow's tests: real nbgrader commands, and what grading must leave alone
+
+
+# The notebooks' hidden test cells drop zerokit's modules (zerokit.grading, .launcher, .memory,
+# ...) from sys.modules and import them afresh before each check (a kernel's own code cannot
+# then have changed them). Where a test runs such a cell in this process, the old ones must
+# come back: tests of other files (and pytest-xdist runs files in any order) hold the old
+# modules' functions and classes, which cloudpickle would then send by value (a rank's
+# isinstance fails), and kit's refusals would look up in the wrong copy. So after every test.
+RELOADED = "zerokit."
+
+
+@pytest.fixture(autouse=True)
+def modules_put_back():
+    """Undo, after the test, a hidden test cell's fresh import of zerokit's modules."""
+    saved = {name: m for name, m in sys.modules.items() if name.startswith(RELOADED)}
+    yield
+    for name, module in saved.items():  # a module first imported by the test stays: there is one copy
+        if sys.modules.get(name) is not module:
+            sys.modules[name] = module
+            parent, _, child = name.rpartition(".")
+            if parent in sys.modules:  # `import a.b` also rebinds b on its package a
+                setattr(sys.modules[parent], child, module)
 
 
 def nbgrader(*args, cwd):
