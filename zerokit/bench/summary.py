@@ -60,10 +60,8 @@ def summarize(per_rank, opts, world_size):
                                     for r in ranks],
             # minor page faults per timed step: the median, on the rank with the most. A step that frees
             # large buffers may hand them back to the kernel (glibc's thresholds move with what the
-            # process frees) and fault them in again, a page at a time: zerokit's ZeRO-1, in a loop of its
-            # own, had 2,100 and 3,700 a step in two runs (1.11 and 1.06 times the peer's step) and 6 in
-            # another (1.02); in the bench, 8 to 16 in most runs and 1,000 to 1,500 in two of four MLP runs
-            # at N = 4. The peers: 0 to 2 in every run.
+            # process frees) and fault them in again, a page at a time; the README's bench section has
+            # the counts measured and what they cost.
             "page_faults_per_step": max((statistics.median(r["step_page_faults"]) for r in ranks
                                          if r["step_page_faults"]), default=None),
             "floor_s": floors[cfg.stage]["total_s"],
