@@ -192,9 +192,10 @@ def fails_exactly(checks, cls, expected, capsys, may_also_fail=(), **kw):
     other one of `checks` ({name: check(cls, **kw)}) but those in may_also_fail: one bug costs one check."""
     who = getattr(cls, "__name__", cls)
     for name, check in checks.items():
-        reason = outcome(check, cls, capsys, **kw)
+        reason, printed = _outcome_and_output(check, cls, capsys, **kw)
         if name in expected:
-            assert reason is not None, f"{who} passed {name}"
+            # what the passing check printed: its configuration (Ψ, model, ranks) shows what it ran on
+            assert reason is not None, f"{who} passed {name}: {printed.strip()}"
             assert expected[name] in reason, f"{who} failed {name} for another reason: {reason}"
         elif name not in may_also_fail:
             assert reason is None, f"{who} should pass {name}, failed: {reason}"
@@ -208,14 +209,19 @@ def fails_every_check(checks, obj, match=UNFINISHED):
 
 def outcome(check, cls, capsys, **kw):
     """None if the check passed, else the reason it gave."""
+    return _outcome_and_output(check, cls, capsys, **kw)[0]
+
+
+def _outcome_and_output(check, cls, capsys, **kw):
+    """(None, what the check printed) if it passed, else (the reason it gave, "")."""
     try:
         check(cls, **kw)
     except CheckFailed as exc:  # also what the checks raise before the ranks start (e.g. the class itself)
         capsys.readouterr()
-        return str(exc)
+        return str(exc), ""
     out = capsys.readouterr().out
     assert out.startswith("✓"), out
-    return None
+    return None, out
 
 
 # ---- the grading flow's tests: real nbgrader commands, and what grading must leave alone
