@@ -79,8 +79,11 @@ for what, address in targets:
 
 # After the test cells: kill the process that runs this kernel (the grader) and its process
 # group. Its pid is taken once, first: never pid 1 or a group of 1 (kill(-1) is everyone).
-KILL_GRADER = '''import os, signal
+# First a temporary folder the kernel never removes, as a launch() killed in the middle leaves its
+# run folder: it must go with the grader's scratch folder, not stay in the instructor's $TMPDIR.
+KILL_GRADER = '''import os, signal, tempfile
 
+print(f"hostile temporary folder: {tempfile.mkdtemp(prefix='zerokit-hostile-left-')}")
 parent = os.getppid()
 group = os.getpgid(parent)
 if parent > 1 and group > 1:

@@ -87,6 +87,10 @@ class Job:
             sys.stdout = open(1, "w", buffering=1, closefd=False)
             sys.stderr = open(2, "w", buffering=1, closefd=False)
             os.environ[TAG] = self.tag  # the kernel and everything it starts inherit it
+            # and the scratch folder as theirs: what a killed kernel leaves (a launch's run folder)
+            # goes with it, instead of staying in the instructor's $TMPDIR (behind the wall the
+            # kernel has a private /tmp anyway)
+            os.environ["TMPDIR"] = self.scratch
             if check_timeout is not None:
                 os.environ[TIMEOUT_ENV] = str(check_timeout)
             _grade_one(self.spec)
