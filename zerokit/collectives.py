@@ -108,6 +108,8 @@ def reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=None, async_op=Fal
     received = torch.empty(n - 1, rows.shape[1], dtype=input.dtype, device=input.device)
     with _counted_as("reduce_scatter", input, n):
         works = []
+        if n == 1:  # no peer to send to, but one collective all the same: CommCounter counts it as at any N
+            works.append(dist.all_to_all_single(output.view(-1), rows.view(-1), group=group, async_op=True))
         for j in range(n):
             if j != rank:  # each pair sends and receives in the same order on both sides
                 works.append(dist.isend(rows[j], group=group, group_dst=j))
@@ -117,9 +119,7 @@ def reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=None, async_op=Fal
         # the chunks in rank order (as a sum over dim 0 of the N rows would add them), ours in place
         parts = [rows[j] if j == rank else received[j - (j > rank)] for j in range(n)]
         out = output.view(-1)
-        if n == 1:
-            out.copy_(parts[0])
-        else:
+        if n > 1:  # (at N = 1 the all-to-all wrote it)
             torch.add(parts[0], parts[1], out=out)
             for part in parts[2:]:
                 out.add_(part)
