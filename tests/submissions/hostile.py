@@ -83,7 +83,7 @@ for what, address in targets:
 # run folder: it must go with the grader's scratch folder, not stay in the instructor's $TMPDIR.
 KILL_GRADER = '''import os, signal, tempfile
 
-print(f"hostile temporary folder: {tempfile.mkdtemp(prefix='zerokit-hostile-left-')}")
+tempfile.mkdtemp(prefix="zerokit-hostile-left-")  # not an attempt that can fail: test_autograde lists those
 parent = os.getppid()
 group = os.getpgid(parent)
 if parent > 1 and group > 1:
