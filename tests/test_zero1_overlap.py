@@ -21,7 +21,9 @@ tests/test_bitwise.py holds bitwise to torch.optim.AdamW at N = 2 on the same ba
   deadlock, and bitwise equal to the unbucketed run at N = 2;
 - zero_grad() after a backward without a step finishes the transfers it dropped;
 - bf16 weights with gradients reduced in fp32 (no hooks: the gradients are copied into the
-  fp32 buffer, all in step()) and a backward with create_graph=True (whose gradients the
+  fp32 buffer, all in step()), or in bf16 (sent during backward: mixed precision reads every
+  shard before the update), clip_grad_norm_ (which reads every shard before step()), and a
+  backward with create_graph=True (whose gradients the
   hooks leave alone): the same numbers as without buckets, gradients untouched.
 """
 
@@ -64,7 +66,7 @@ def _lazy_all_gather(real):
     return all_gather
 
 
-def _train(rank, world_size, bucket_mb, same_data, lazy=False, micro=1, kind="edge", bf16=False):
+def _train(rank, world_size, bucket_mb, same_data, lazy=False, micro=1, kind="edge", bf16=False, clip=None):
     poison_scratch()  # a gradient buffer's unwritten part (an unused parameter's, a padding) must never be read
     if lazy:
         zerokit.zero1.reduce_scatter = _lazy_reduce_scatter(zerokit.zero1.reduce_scatter)
@@ -78,7 +80,8 @@ def _train(rank, world_size, bucket_mb, same_data, lazy=False, micro=1, kind="ed
 
     zerokit.zero1.reduce_scatter = recording
     model = build_model(kind)
-    precision = zerokit.MixedPrecision("bf16", reduce_dtype=torch.float32) if bf16 else None
+    # bf16: the dtype gradients are reduced in, "fp32" or "bf16" (False: an fp32 run)
+    precision = zerokit.MixedPrecision("bf16", reduce_dtype=torch.float32 if bf16 == "fp32" else None) if bf16 else None
     opt = zerokit.ZeRO1Adam(model.parameters(), lr=LR, weight_decay=WD, bucket_mb=bucket_mb, precision=precision)
     snaps = []
     for step in range(STEPS):
@@ -93,6 +96,8 @@ def _train(rank, world_size, bucket_mb, same_data, lazy=False, micro=1, kind="ed
             else:
                 out = model(xs.to(torch.bfloat16) if bf16 else xs).float()
             (model_loss(kind, out, ys) / micro).backward()
+        if clip is not None:
+            assert opt.clip_grad_norm_(clip) > clip  # it does scale the gradients
         opt.step()
         opt.zero_grad()
         snaps.append({n: p.detach().clone() for n, p in model.named_parameters()})
@@ -112,9 +117,9 @@ def _reference(rank, world_size, kind):
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _pair(rank, world_size, same_data, lazy=False, micro=1, kind="edge", bf16=False):
-    return (_train(rank, world_size, None, same_data, micro=micro, kind=kind, bf16=bf16),
-            _train(rank, world_size, BUCKET_MB, same_data, lazy=lazy, micro=micro, kind=kind, bf16=bf16))
+def _pair(rank, world_size, same_data, lazy=False, micro=1, kind="edge", bf16=False, clip=None):
+    return (_train(rank, world_size, None, same_data, micro=micro, kind=kind, bf16=bf16, clip=clip),
+            _train(rank, world_size, BUCKET_MB, same_data, lazy=lazy, micro=micro, kind=kind, bf16=bf16, clip=clip))
 
 
 def _equal(a, b):
@@ -198,9 +203,29 @@ def test_zero_grad_without_a_step_finishes_the_dropped_transfers():
 
 @pytest.mark.timeout(60)
 def test_bf16_with_fp32_reduction_sends_copies_in_step_and_matches():
-    for (plain, _, _), (bucketed, issued, _) in run_ranks(_pair, 2, False, True, 1, "mlp", True):
+    for (plain, _, _), (bucketed, issued, _) in run_ranks(_pair, 2, False, True, 1, "mlp", "fp32"):
         assert _equal(bucketed, plain)
         assert not any(issued)  # no gradient is a view of an fp32 buffer: nothing leaves during backward
+
+
+@pytest.mark.timeout(60)
+def test_bf16_reduced_in_bf16_waits_for_every_shard_before_converting_them():
+    """Mixed precision converts every shard to fp32 (and would check them for inf) before the
+    first update: a shard read before its transfer is done shows up as NaN."""
+    for (plain, _, _), (bucketed, issued, _) in run_ranks(_pair, 2, False, True, 1, "mlp", "bf16"):
+        assert _equal(bucketed, plain)
+        assert any(issued)  # the gradients are views of a bf16 buffer: buckets leave during backward
+
+
+@pytest.mark.timeout(60)
+def test_clipping_reads_the_shards_after_they_arrived():
+    """clip_grad_norm_, called before step(), reads every shard: each must have arrived."""
+    for eager, lazy in run_ranks(_clipped, 2):  # the same buckets (one norm sums them in one order)
+        assert _equal(eager, lazy)
+
+
+def _clipped(rank, world_size):
+    return [_train(rank, world_size, BUCKET_MB, False, lazy=lazy, kind="mlp", clip=0.05)[0] for lazy in (False, True)]
 
 
 def _double_backward(rank, world_size):

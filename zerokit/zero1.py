@@ -177,6 +177,7 @@ class ZeRO1Adam(torch.optim.Optimizer):
         self.offload = offload_place(offload, first.device if first is not None else "cpu")
         self.buckets, self.bucket_group, self.shards, self.flat_params, self._grad_buffers = [], [], [], [], []
         self._early = []  # beyond the exercise (bucket_mb): per bucket, (work, shard) sent during backward
+        self._present = None  # beyond the exercise: the presence flags _early_shards agreed on with the other ranks
         self._grad_cache = None  # this step's reduced gradient shards, once reduced (see _reduced_gradients)
         self._published = []  # beyond the exercise: the all-gathers _publish started, until step() waits
         self._shard_groups(0)
@@ -306,10 +307,11 @@ class ZeRO1Adam(torch.optim.Optimizer):
             if any(p.grad is not None and p.grad.data_ptr() != v.data_ptr() for p, v in zip(self.buckets[i].params,
                                                                                            views)):
                 self._stale[i] = True
-        stale = torch.tensor(self._stale, dtype=torch.uint8, device=self.buckets[0].params[0].device)
-        dist.all_reduce(stale, op=dist.ReduceOp.MAX, group=self.group)
+        # the presence flags step() needs go in the same all-reduce: every collective is a round that
+        # each rank must reach, and with more ranks than cores a round of a few bytes costs milliseconds
+        stale, *self._present = self._any_rank([self._stale] + self._local_presence())
         shards = []
-        for i, again in enumerate(stale.tolist()):
+        for i, again in enumerate(stale):
             (work, shard, _flat, _hooked), self._early[i] = self._early[i], None
             work.wait()
             shards.append(self._grad_shard(i) if again else shard)  # again: from the accumulated gradients
@@ -337,14 +339,20 @@ class ZeRO1Adam(torch.optim.Optimizer):
         return flat
 
     def _presence(self, has_grad):
-        """Which parameters got a gradient on at least one rank: one tiny all-reduce (MAX)."""
-        flags = torch.tensor([h for hs in has_grad for h in hs], dtype=torch.uint8,
+        """Which parameters got a gradient on at least one rank: one tiny all-reduce (MAX).
+        Beyond the exercise (bucket_mb): _early_shards has already asked, with its own flags."""
+        present, self._present = self._present, None
+        return present if present is not None else self._any_rank(has_grad)
+
+    def _any_rank(self, flag_lists):
+        """Lists of flags, each True where it is True on some rank: one all-reduce (MAX) for them all."""
+        flags = torch.tensor([f for fs in flag_lists for f in fs], dtype=torch.uint8,
                              device=self.buckets[0].params[0].device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
         out, i = [], 0
-        for hs in has_grad:
-            out.append(flags[i:i + len(hs)].bool().tolist())
-            i += len(hs)
+        for fs in flag_lists:
+            out.append(flags[i:i + len(fs)].bool().tolist())
+            i += len(fs)
         return out
 
     @torch.no_grad()
@@ -443,6 +451,7 @@ class ZeRO1Adam(torch.optim.Optimizer):
     def zero_grad(self, set_to_none=True):
         super().zero_grad(set_to_none=set_to_none)
         self._grad_cache = None  # a clipped-but-not-stepped gradient must not reach the next step
+        self._present = None  # nor its presence flags
         self._grad_buffers = [None] * len(self.buckets)
         if not self.reduces_in_backward:
             self._drop_early()  # gradients dropped without a step: so are their transfers
