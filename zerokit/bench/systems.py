@@ -5,29 +5,29 @@ zerokit in PyTorch's shape (a module wrapper or the optimizer a user brings, wit
 |---|---|---|
 | ddp   | `DistributedDataParallel` + `torch.optim.AdamW`           | `DistributedAdam` |
 | zero1 | DDP + `torch.distributed.optim.ZeroRedundancyOptimizer`   | `ZeRO1Adam(bucket_mb=half the model)` |
-| zero2 | FSDP2 `fully_shard(reshard_after_forward=False)` + AdamW  | `ZeRO2Adam(bucket_mb=one block)` |
+| zero2 | FSDP2 `fully_shard(reshard_after_forward=False)` + AdamW  | `ZeRO2Adam(bucket_mb=two blocks)` |
 | zero3 | FSDP2 `fully_shard` (blocks reshard after forward) + AdamW | `ZeRO3Adam(units=blocks)` |
 
 | stage | zerokit in PyTorch's shape |
 |---|---|
 | ddp   | `zerokit.DataParallel(model)` + `torch.optim.AdamW` |
 | zero1 | `zerokit.ZeRO1(params, torch.optim.AdamW, bucket_mb=half the model)` |
-| zero2 | `zerokit.ZeRO2(params, torch.optim.AdamW, bucket_mb=one block)` |
+| zero2 | `zerokit.ZeRO2(params, torch.optim.AdamW, bucket_mb=two blocks)` |
 | zero3 | `zerokit.FullyShard(model, units=blocks)` + `torch.optim.AdamW` |
 
 FSDP2 wraps each transformer block, then the root (embeddings, final norm, head); zerokit
-gets the same granularity: ZeRO-3 units are the blocks (the root unit keeps the rest), and
-ZeRO-2's gradient buckets are one block in size, each reduce-scattered as soon as backward
-completes it (ZeRO2Adam's 25 MiB default would make one bucket of the whole small model, sent
-only after backward).
+gets the same granularity for ZeRO-3: its units are the blocks (the root unit keeps the rest).
+ZeRO-2's gradient buckets are two blocks, each reduce-scattered as soon as backward completes
+it and its full gradients freed: against one block, 5 to 10% less time for two blocks' more
+gradients in flight, below the activations' peak at N = 2 (README). ZeRO2Adam's 25 MiB
+default would make one bucket of the whole small model, sent only after backward.
 
 ZeRO-1's buckets are half the model (two, or three where a block does not fit in what is left),
 as its peer's are few and large (DDP: 25 MiB). Each bucket costs a reduce-scatter during
 backward and N broadcasts in step(); the broadcasts gain nothing from finer buckets, since
 step() waits for them, while two buckets already let the first half's reduce-scatter overlap
-backward of the second. With one block per bucket (6 buckets on the small transformer, 5 on
-the MLP) ZeRO-1 issued 6 + 6N collectives a step where the peer issues 2 + N, and took 1.07
-to 1.17 of the peer's time at N = 2 and 4; with half the model 0.96 to 1.05 (README).
+backward of the second. With one block per bucket (6 on the small transformer, 5 on the MLP)
+ZeRO-1 issued 6 + 6N collectives a step where the peer issues 2 + N (README: the times).
 ZeRO1Adam's own default, one bucket reduced in step(), sends nothing during backward.
 """
 
@@ -92,7 +92,8 @@ def bucket_size(stage, model):
     """The gradient bucket size (MiB) of ZeRO-1 and ZeRO-2 (see the module's docstring)."""
     if stage == "zero1":  # half the model: two buckets, or three where a block does not fit in what is left
         return sum(p.numel() * p.element_size() for p in model.parameters()) / 2 / 2**20
-    return sum(p.numel() * p.element_size() for p in model.blocks[0].parameters()) / 2**20  # one block
+    block = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters()) / 2**20
+    return 2 * block if stage == "zero2" else block
 
 
 def _torch_peer(stage, model, device):
