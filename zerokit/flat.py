@@ -91,7 +91,9 @@ class FlatBucket:
 
     def flatten(self, tensors, dtype=None, device=None):
         """Copy tensors (one per parameter, None meaning zeros) into a new padded flat buffer."""
-        flat = self.empty(dtype, device)
+        tensors = list(tensors)
+        # zero-filled only where a tensor is missing: otherwise the copies overwrite it all anyway
+        flat = self.empty(dtype, device) if any(t is None for t in tensors) else self.scratch(dtype, device)
         for t, off, n in zip(tensors, self.offsets, self.numels):
             if t is not None:
                 flat[off:off + n].copy_(t.reshape(-1))
