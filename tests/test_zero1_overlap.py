@@ -23,8 +23,8 @@ tests/test_bitwise.py holds bitwise to torch.optim.AdamW at N = 2 on the same ba
 - bf16 weights with gradients reduced in fp32 (no hooks: the gradients are copied into the
   fp32 buffer, all in step()), or in bf16 (sent during backward: mixed precision reads every
   shard before the update), clip_grad_norm_ (which reads every shard before step()), and a
-  backward with create_graph=True (whose gradients the
-  hooks leave alone): the same numbers as without buckets, gradients untouched.
+  backward with create_graph=True (whose gradients the hooks leave alone): the same numbers
+  as without buckets, gradients untouched.
 """
 
 from functools import partial
