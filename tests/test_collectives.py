@@ -6,6 +6,9 @@ result is compared with a value computed by hand in this file (small integers, e
 bf16 and fp16 too). One launch per world size runs all of them; ranks return what they got.
 """
 
+import sys
+import weakref
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -183,3 +186,30 @@ def test_zerokit_collectives_send_the_rings_bytes_on_gloo(world_size):
         assert torch.equal(mine["full"], theirs["full"])
         assert ring <= mine["rs"] < 1.01 * ring and ring <= mine["ag"] < 1.01 * ring, mine
         assert theirs["rs"] > 1.9 * ring, theirs  # why zerokit has its own on gloo
+
+
+def release_worker(rank, world_size, rounds):
+    """Async reduce-scatters whose input only the transfer holds: once wait() returns, nothing of
+    it may be alive (a caller measuring memory right after must not see it). The switch interval
+    is cut so that the waiting thread gets the interpreter as early as it ever can."""
+    interval, alive, out = sys.getswitchinterval(), 0, torch.empty(S)
+    sys.setswitchinterval(1e-6)
+    try:
+        for _ in range(rounds):
+            inp = torch.full((world_size * S,), float(rank))
+            held = weakref.ref(inp)
+            work = collectives.reduce_scatter(out, inp, async_op=True)
+            del inp
+            work.wait()
+            alive += held() is not None
+    finally:
+        sys.setswitchinterval(interval)  # the process may serve other tests
+    return alive, float(out[0])
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_an_async_reduce_scatter_holds_nothing_once_waited_for():
+    for alive, first in run_ranks(release_worker, 2, 300):
+        assert first == 1.0  # 0 + 1, the sum of the ranks
+        assert alive == 0, f"the input was still alive after wait() in {alive} of 300 rounds"

@@ -160,7 +160,10 @@ class _Finishing:
     @staticmethod
     def _finisher(jobs):
         while True:
-            _Finishing._finish(*jobs.get())  # nothing of a job outlives its call: its buffers go with it
+            handle = _Finishing._finish(*jobs.get())
+            # only now, when nothing of the job is left (its buffers went with _finish's frame):
+            # a caller that measures memory right after wait() must not see them alive
+            handle._done.set()
 
     @staticmethod
     def _finish(works, finish, handle):
@@ -170,7 +173,7 @@ class _Finishing:
             finish()
         except BaseException as exc:  # a peer gone, a timeout: the caller's wait() raises it
             handle._error = exc
-        handle._done.set()
+        return handle
 
     def wait(self, *args, **kwargs):
         self._done.wait()
