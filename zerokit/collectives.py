@@ -74,7 +74,7 @@ def _counted_as(op, sized_by, group_size):
 
 
 class _Done:
-    """The work handle of a composite collective: wait() waits for its parts (works, or futures)."""
+    """The work handle of a composite collective: wait() waits for its parts (the all-gather's broadcasts)."""
 
     def __init__(self, parts):
         self._parts = parts

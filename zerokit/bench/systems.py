@@ -90,10 +90,12 @@ def build(config, model_cfg, device, seed):
 
 def bucket_size(stage, model):
     """The gradient bucket size (MiB) of ZeRO-1 and ZeRO-2 (see the module's docstring)."""
+    def mib(params):
+        return sum(p.numel() * p.element_size() for p in params) / 2**20
+
     if stage == "zero1":  # half the model: two buckets, or three where a block does not fit in what is left
-        return sum(p.numel() * p.element_size() for p in model.parameters()) / 2 / 2**20
-    block = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters()) / 2**20
-    return 2 * block if stage == "zero2" else block
+        return mib(model.parameters()) / 2
+    return (2 if stage == "zero2" else 1) * mib(model.blocks[0].parameters())
 
 
 def _torch_peer(stage, model, device):
