@@ -17,6 +17,7 @@ import torch
 
 from conftest import CheckFailed
 from zerokit.bench import gpu_check
+from zerokit.bench.workload import MODELS, make_model
 from zerokit.bench.gpu_check import COVERS, GROUPS, Row, Target, cuda_branches, format_table, run_checks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,6 +51,19 @@ def test_the_rehearsal_runs_every_row_on_the_cpu(tmp_path):
         assert f"bench N=1 zerokit-{stage} (cpu)" in paths and f"bench N=1 wrapper-{stage} (cpu)" in paths
     assert {"launch backend=auto", "checkpoint zero2", "checkpoint zero3", "lesson 00 checks on cpu"} <= set(paths)
     assert sum(p.startswith("offload=disk") for p in paths) == len(gpu_check.OFFLOAD_RUNS)
+    # the bytes an offload row expects to free: the paper's K Psi at N = 1 (K = 8 in fp32, 12 mixed), Psi counted
+    # here on the unsharded model (the first H200 run read Psi off a ZeRO-3 model after sharding: 0)
+    psi = sum(p.numel() for p in make_model(MODELS["tiny"], torch.device("cpu"), seed=0).parameters())
+    for stage, precision in gpu_check.OFFLOAD_RUNS:
+        row = next(r for r in report["rows"] if r["path"] == f"offload=disk {stage} {precision}")
+        k = 8 if precision == "fp32" else 12
+        assert f"theory K Psi = {k * psi / 2**20:.2f} MiB" in row["figure"], row
+    # FSDP2 at N = 1 skips its collectives: a ratio against nothing is None ("n/a"), not bytes / 1
+    bench = json.loads((tmp_path / "bench-ws1.json").read_text())
+    sent = {c["name"]: c["comm"]["volume_bytes"] for c in bench["configs"]}
+    assert sent["torch-zero3"] == 0 and sent["zerokit-zero3"] > 0, sent
+    for r in bench["ratios"]:
+        assert (r["comm"] is None) == (sent[r["peer"]] == 0), r
     # the same table on stdout, ending in the verdict
     assert done.stdout.rstrip().endswith(f"{len(paths)} of {len(paths)} rows ok")
 

@@ -168,6 +168,23 @@ def _allocated(device):
     return torch.cuda.memory_allocated(device) if device.type == "cuda" else None
 
 
+def _warm_up(rank, world_size, device):
+    """One forward and backward on a throwaway model, so that what torch allocates once per process
+    (cuBLAS's workspaces: one per handle, and backward runs on autograd's own thread with its own
+    handle; 32 MiB each on an H200) is in every baseline read after it, not in the first run's growth."""
+    x, y = rank_batch(MODELS["tiny"], 0, rank, world_size, device)
+    model_loss("transformer", make_model(MODELS["tiny"], device, seed=0)(x), y).backward()
+    del x, y
+    gc.collect()
+
+
+def _shard_weights(opt):
+    """The weights this rank's Adam updates, flat and on the CPU: the fp32 master under mixed precision
+    (in host memory or files when offloaded), else the fp32 shard of the flat weights."""
+    return {"shards": torch.cat([opt._param_shard(i)[:].detach().to("cpu", torch.float32, copy=True)
+                                 for i in range(len(opt.buckets))])}  # [:]: a tensor, also of a DiskTensor
+
+
 def _memory(rank, world_size, preset):
     """Per stage, at rest (after step, before zero_grad): the paper's formula, the census, the CUDA counters.
 
@@ -176,10 +193,7 @@ def _memory(rank, world_size, preset):
     workspaces), which no tensor of the model stands for."""
     device = zerokit.rank_device()
     cfg = MODELS[preset]
-    wx, wy = rank_batch(MODELS["tiny"], 0, rank, world_size, device)
-    model_loss("transformer", make_model(MODELS["tiny"], device, seed=0)(wx), wy).backward()
-    del wx, wy
-    gc.collect()
+    _warm_up(rank, world_size, device)
     base_cuda, base_census = _allocated(device), census(None, None, device.type)["total"]
     out = []
     for stage in STAGES:
@@ -204,33 +218,52 @@ def _memory(rank, world_size, preset):
 
 
 def _offload(rank, world_size, preset, place, runs):
-    """Each (stage, precision) with offload=place against the same optimizer in device memory."""
+    """Each (stage, precision) with offload=place against the same optimizer in device memory.
+
+    The two runs must compute the same gradients from the same weights, so torch's deterministic
+    algorithms are on (a GPU's backward may sum with atomics, in any order). Mixed precision is
+    compared after the first step: from there on, where the CPU's Adam and the GPU's differ in the
+    last bit of an fp32 master (6e-7 in fp32 on an H200), the 16-bit rounding of that master can flip,
+    the next gradients follow other weights, and Adam turns a near-zero gradient's change of sign
+    into a change of 2 lr (2.6e-3 after 3 steps, the first H200 run). Its later steps are held to the
+    loss, as the other 16-bit rows are."""
     device = zerokit.rank_device()
     cfg = MODELS[preset]
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    _warm_up(rank, world_size, device)
     out = []
     for stage, name in runs:
         precision = None if name == "fp32" else MixedPrecision(name)
-        rest = {}
-        weights = {}
+        rest, weights, losses = {}, {}, {}
         for where in (None, place):
             gc.collect()  # what the last run left in reference cycles is gone before the baseline
             before = _allocated(device)
             model = make_model(cfg, device, seed=0)
+            psi = num_parameters(model)  # before the optimizer: ZeRO-3 leaves the parameters empty
             opt = make_optimizer(stage, model, lr=1e-3, precision=precision, offload=where)
+            weights[where], losses[where] = [], []
             for step in range(3):
                 x, y = rank_batch(cfg, step, rank, world_size, device)
-                opt.scale_loss(model_loss("transformer", model(x).float(), y)).backward()
+                loss = model_loss("transformer", model(x).float(), y)
+                opt.scale_loss(loss).backward()
                 opt.step()
+                losses[where].append(loss.item())
+                # Adam's own fp32 shard: 16-bit weights would hide a master's last bits
+                weights[where].append(_shard_weights(opt))
                 if step < 2:
                     opt.zero_grad()
             gc.collect()
-            rest[where] = None if before is None else _allocated(device) - before
-            weights[where] = _full_weights(stage, model, opt)
-            psi = num_parameters(model)
+            # every live tensor on the device, as the census sees it, and the CUDA counter's growth
+            rest[where] = (census(model, opt, device.type), None if before is None else _allocated(device) - before)
             opt.zero_grad()
             del model, opt
-        out.append({"stage": stage, "precision": name, "diff": _max_diff(weights[place], weights[None]),
-                    "freed": None if rest[None] is None else rest[None] - rest[place],
+        compared = 0 if precision is not None else -1  # which step's shards decide
+        out.append({"stage": stage, "precision": name, "steps": len(weights[place]),
+                    "diff": _max_diff(weights[place][compared], weights[None][compared]),
+                    "diff_last": _max_diff(weights[place][-1], weights[None][-1]),
+                    "loss_rel": max(abs(a - b) / abs(b) for a, b in zip(losses[place], losses[None])),
+                    "freed": {k: rest[None][0][k] - rest[place][0][k] for k in rest[None][0]},
+                    "freed_cuda": None if rest[None][1] is None else rest[None][1] - rest[place][1],
                     "theory": theory_bytes(psi, stage, world_size, "fp32" if precision is None else "mixed")[
                         "optimizer_states"]})
     return out
@@ -354,14 +387,33 @@ def offload(target):
     rows = []
     for r in per_rank[0]:
         ok = r["diff"] <= FP32_ATOL
-        figure = f"max |d| {r['diff']:.1e}"
-        if r["freed"] is None:
-            figure += ", device memory n/a (cpu)"
+        if r["precision"] == "fp32":
+            compared = f"Adam's fp32 shard after {r['steps']} steps"
+            figure = f"max |d| {r['diff']:.1e}"
         else:
-            ok = ok and abs(r["freed"] - r["theory"]) <= 0.05 * r["theory"] + 2**20
-            figure += f", frees {r['freed'] / 2**20:.2f} MiB of GPU memory (theory K Psi = {r['theory'] / 2**20:.2f})"
+            ok = ok and r["loss_rel"] <= MIXED_LOSS_RTOL
+            compared = f"the fp32 master after 1 step, the loss for {r['steps']}"
+            figure = f"max |d| {r['diff']:.1e} ({r['diff_last']:.1e} after {r['steps']}), loss rel d {r['loss_rel']:.1e}"
+        # The census decides, the CUDA counter is shown beside it. On the H200 the counter's
+        # difference moved with this check's own code, by whole multiples of 4 Psi: 22, 22, 22 and
+        # 33 MiB for the four rows when the weights were read once, after counting; 33, 22, 11 and 39.5
+        # (twice) when they and the loss are read after every step, the census 22, 22, 22 and 33
+        # both times. The census sees every tensor Python can reach, so the rest is held where it
+        # cannot (the allocator's blocks a side stream or a collective's work object still holds;
+        # not tracked down). On the GPU nothing else may grow; on the CPU ("disk") the files' mapped
+        # pages and this check's own copies of the shards are CPU tensors too ("other").
+        freed = r["freed"]
+        ok = ok and freed["optimizer_states"] == r["theory"] and (not target.gpu or freed["total"] == r["theory"])
+        theory = f"theory K Psi = {r['theory'] / 2**20:.2f} MiB"
+        if target.gpu:
+            figure += f", frees {freed['total'] / 2**20:.2f} MiB of GPU tensors ({theory}"
+            if freed["total"] != freed["optimizer_states"]:  # which category did not move as it should
+                figure += "; " + ", ".join(f"{k} {v / 2**20:+.2f}" for k, v in freed.items() if v and k != "total")
+            figure += f"), CUDA counter {r['freed_cuda'] / 2**20:.2f}"
+        else:
+            figure += f", optimizer-state tensors {freed['optimizer_states'] / 2**20:.2f} MiB fewer ({theory})"
         rows.append(Row(f"offload={place} {r['stage']} {r['precision']}",
-                        "weights after 3 steps vs in-memory state; GPU bytes freed vs K Psi", ok, figure))
+                        f"{compared} vs in-memory state; device bytes freed vs K Psi", ok, figure))
     return rows
 
 
