@@ -94,7 +94,9 @@ def summarize(per_rank, opts, world_size):
                 "memory": zk["memory_peak"]["total"] / max(peer["memory_peak"]["total"], 1),
                 "model_state": sum(zk["memory_peak"][k] for k in MODEL_STATE)
                 / max(sum(peer["memory_peak"][k] for k in MODEL_STATE), 1),
-                "comm": zk["comm"]["volume_bytes"] / max(peer["comm"]["volume_bytes"], 1),
+                # None where the peer sends nothing: FSDP2 at N = 1 skips its collectives
+                "comm": zk["comm"]["volume_bytes"] / peer["comm"]["volume_bytes"]
+                if peer["comm"]["volume_bytes"] else None,
             })
     model_cfg = opts["model"]
     meta = {

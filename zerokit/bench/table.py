@@ -48,7 +48,7 @@ def format_table(summary) -> str:
                   f"{'model state':>11s} {'comm':>6s}"]
     for r in summary["ratios"]:
         lines.append(f"{r['zerokit'] + ' / ' + r['peer']:32s} {r['stage']:5s} {r['time']:6.2f} {r['memory']:8.2f} "
-                     f"{r['model_state']:11.2f} {r['comm']:6.2f}")
+                     f"{r['model_state']:11.2f} {'n/a' if r['comm'] is None else format(r['comm'], '.2f'):>6s}")
     lines += [
         "",
         f"ms/step: the median over the timed steps of the slowest rank's step, p25-p75 their quartiles; each "
