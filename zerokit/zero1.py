@@ -349,9 +349,10 @@ class ZeRO1Adam(torch.optim.Optimizer):
         flags = torch.tensor([f for fs in flag_lists for f in fs], dtype=torch.uint8,
                              device=self.buckets[0].params[0].device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        every = flags.bool().tolist()  # once: on a GPU each read waits for everything queued before it
         out, i = [], 0
         for fs in flag_lists:
-            out.append(flags[i:i + len(fs)].bool().tolist())
+            out.append(every[i:i + len(fs)])
             i += len(fs)
         return out
 
