@@ -8,8 +8,8 @@
 - one full-size transfer at a time (ShardedParameters._start_gather, ZeRO3Adam._before_send): on a
   transformer with a unit per block, no reduce-scatter is in flight when a prefetch starts,
   no gather is in flight when a reduce-scatter starts, and the unit being reduced is
-  already SHARDED; on gloo, backward's prefetch is received before the unit computes
-  (ZeRO3Adam._pre_backward): no gather is in flight when a unit's backward begins; with
+  already SHARDED; backward's prefetch overlaps the unit's compute: at most one gather (the next
+  unit's) is in flight when a unit's backward begins; with
   *lazy* collectives (test doubles whose output is NaN until wait()
   and whose input is read only at wait()), the numbers are bitwise those of the real ones,
   so none of the earlier waits reads a buffer before its transfer is done.
@@ -132,6 +132,8 @@ def test_one_full_size_transfer_at_a_time_and_lazy_collectives_change_no_bit():
         assert all(rs == 0 and ag == 0 for _, rs, ag in gathers), gathers
         # a reduce-scatter starts with no gather in flight, its unit's weights already freed
         assert all(g == 0 and state == "sharded" for _, g, state in reduces), reduces
-        # a unit's backward computes with no gather in flight (gloo: the prefetch received at once)
+        # a unit's backward computes with at most one gather in flight, the next unit's prefetch, and
+        # some do (the prefetch overlaps the unit's compute, on gloo as on NCCL)
         backwards = [s for s in seen if s[0] == "backward"]
-        assert len(backwards) == 3 * 3 and all(g == 0 for _, g in backwards), backwards
+        assert len(backwards) == 3 * 3 and all(g <= 1 for _, g in backwards), backwards
+        assert sum(g for _, g in backwards) == 3 * 2, backwards  # the root's and the last block's backward
