@@ -10,7 +10,7 @@ zerokit in PyTorch's shape (a module wrapper or the optimizer a user brings, wit
 
 | stage | zerokit in PyTorch's shape |
 |---|---|
-| ddp   | `zerokit.DataParallel(model)` + `torch.optim.AdamW` |
+| ddp   | `zerokit.DataParallel(model, bucket_mb=half the model)` + `torch.optim.AdamW` |
 | zero1 | `zerokit.ZeRO1(params, torch.optim.AdamW, bucket_mb=half the model)` |
 | zero2 | `zerokit.ZeRO2(params, torch.optim.AdamW, bucket_mb=two blocks)` |
 | zero3 | `zerokit.FullyShard(model, units=blocks)` + `torch.optim.AdamW` |
@@ -22,13 +22,17 @@ it and its full gradients freed: against one block, 5 to 10% less time for two b
 gradients in flight, below the activations' peak at N = 2 (README). ZeRO2Adam's 25 MiB
 default would make one bucket of the whole small model, sent only after backward.
 
-ZeRO-1's buckets are half the model (two, or three where a block does not fit in what is left),
-as its peer's are few and large (DDP: 25 MiB). Each bucket costs a reduce-scatter during
-backward and N broadcasts in step(); the broadcasts gain nothing from finer buckets, since
-step() waits for them, while two buckets already let the first half's reduce-scatter overlap
-backward of the second. With one block per bucket (6 on the small transformer, 5 on the MLP)
-ZeRO-1 issued 6 + 6N collectives a step where the peer issues 2 + N (README: the times).
-ZeRO1Adam's own default, one bucket reduced in step(), sends nothing during backward.
+ZeRO-1's buckets, and DataParallel's, are half the model (two, or three where a block does not
+fit in what is left), as their peer's are few and large (DDP: 25 MiB, the first 1 MiB). Each
+ZeRO-1 bucket costs a reduce-scatter during backward and N broadcasts in step(); the
+broadcasts gain nothing from finer buckets, since step() waits for them, while two buckets
+already let the first half's reduce-scatter overlap backward of the second. With one block
+per bucket (6 on the small transformer, 5 on the MLP) ZeRO-1 issued 6 + 6N collectives a step
+where the peer issues 2 + N (README: the times). ZeRO1Adam's own default, one bucket reduced
+in step(), sends nothing during backward. DataParallel with one-block buckets took 1.06-1.13
+of DDP's time (1.21-1.31 of the floor), with half-model buckets 1.03-1.09 (1.12-1.21), N = 2
+in turns, at a peak of 0.92-0.94 of DDP's instead of 0.83 (its copies of the two buckets in
+flight are larger).
 """
 
 from dataclasses import dataclass
@@ -89,11 +93,11 @@ def build(config, model_cfg, device, seed):
 
 
 def bucket_size(stage, model):
-    """The gradient bucket size (MiB) of ZeRO-1 and ZeRO-2 (see the module's docstring)."""
+    """The gradient bucket size (MiB) of DataParallel, ZeRO-1 and ZeRO-2 (see the module's docstring)."""
     def mib(params):
         return sum(p.numel() * p.element_size() for p in params) / 2**20
 
-    if stage == "zero1":  # half the model: two buckets, or three where a block does not fit in what is left
+    if stage in ("zero1", "ddp"):  # half the model: two buckets, or three where a block does not fit
         return mib(model.parameters()) / 2
     return (2 if stage == "zero2" else 1) * mib(model.blocks[0].parameters())
 
