@@ -17,8 +17,8 @@ import torch
 
 from conftest import CheckFailed
 from zerokit.bench import gpu_check
-from zerokit.bench.workload import MODELS, make_model
 from zerokit.bench.gpu_check import COVERS, GROUPS, Row, Target, cuda_branches, format_table, run_checks
+from zerokit.bench.workload import MODELS, make_model
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -393,7 +393,8 @@ def offload(target):
         else:
             ok = ok and r["loss_rel"] <= MIXED_LOSS_RTOL
             compared = f"the fp32 master after 1 step, the loss for {r['steps']}"
-            figure = f"max |d| {r['diff']:.1e} ({r['diff_last']:.1e} after {r['steps']}), loss rel d {r['loss_rel']:.1e}"
+            figure = (f"max |d| {r['diff']:.1e} ({r['diff_last']:.1e} after {r['steps']}), "
+                      f"loss rel d {r['loss_rel']:.1e}")
         # The census decides, the CUDA counter is shown beside it. On the H200 the counter's
         # difference moved with this check's own code, by whole multiples of 4 Psi: 22, 22, 22 and
         # 33 MiB for the four rows when the weights were read once, after counting; 33, 22, 11 and 39.5
