@@ -234,7 +234,7 @@ def _offload(rank, world_size, preset, place, runs):
     out = []
     for stage, name in runs:
         precision = None if name == "fp32" else MixedPrecision(name)
-        rest, weights, losses = {}, {}, {}
+        held, grown, weights, losses = {}, {}, {}, {}  # per run: the census at rest, the CUDA counter's growth
         for where in (None, place):
             gc.collect()  # what the last run left in reference cycles is gone before the baseline
             before = _allocated(device)
@@ -253,8 +253,8 @@ def _offload(rank, world_size, preset, place, runs):
                 if step < 2:
                     opt.zero_grad()
             gc.collect()
-            # every live tensor on the device, as the census sees it, and the CUDA counter's growth
-            rest[where] = (census(model, opt, device.type), None if before is None else _allocated(device) - before)
+            held[where] = census(model, opt, device.type)  # every live tensor on the device
+            grown[where] = None if before is None else _allocated(device) - before
             opt.zero_grad()
             del model, opt
         compared = 0 if precision is not None else -1  # which step's shards decide
@@ -262,8 +262,8 @@ def _offload(rank, world_size, preset, place, runs):
                     "diff": _max_diff(weights[place][compared], weights[None][compared]),
                     "diff_last": _max_diff(weights[place][-1], weights[None][-1]),
                     "loss_rel": max(abs(a - b) / abs(b) for a, b in zip(losses[place], losses[None])),
-                    "freed": {k: rest[None][0][k] - rest[place][0][k] for k in rest[None][0]},
-                    "freed_cuda": None if rest[None][1] is None else rest[None][1] - rest[place][1],
+                    "freed": {k: held[None][k] - held[place][k] for k in held[None]},
+                    "freed_cuda": None if grown[None] is None else grown[None] - grown[place],
                     "theory": theory_bytes(psi, stage, world_size, "fp32" if precision is None else "mixed")[
                         "optimizer_states"]})
     return out

@@ -109,7 +109,7 @@ def summarize(per_rank, opts, world_size):
         "hyperparameters": HYPER,
         "peer_options": {"ddp": DDP_OPTIONS, "zero_redundancy_optimizer": ZERO_REDUNDANCY_OPTIONS},
         "units": ("FSDP2: one fully_shard per block, then the root; ZeRO3Adam: the same units; "
-                  "ZeRO2Adam: gradient buckets of two blocks' size; ZeRO1Adam: of half the model's"),
+                  "ZeRO2Adam: gradient buckets of two blocks' size; ZeRO1Adam and DataParallel: of half the model's"),
         "how_measured": {
             "step_time": "barrier before each step; a step's time is the slowest rank's; median over timed steps",
             "memory": ("per rank, one step sampled after every tensor op: total = bytes allocated above the "
