@@ -710,6 +710,14 @@ def init_under_torchrun():
     agents' counts can disagree (pytorch/pytorch#108158), which would split the ranks between
     two prefixes: there, launch torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 instead
     (rank 0 then hosts a fresh store per attempt)."""
+    # Before the group exists: torch.distributed.nn.functional's functions default to
+    # group=group.WORLD, read when it is imported, and the first torch.optim optimizer imports it
+    # (through torch._dynamo). Imported after init_process_group, those defaults hold the group
+    # past destroy_process_group: gloo's threads then live into the interpreter's exit, and about
+    # one restarted job in 30 here had a rank abort there ("terminate called without an active
+    # exception", SIGABRT) after its last step. zerokit.launch's ranks leave with os._exit.
+    import torch.distributed.nn.functional  # noqa: F401
+
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
     shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     if not (restarts and shared and os.environ.get("GROUP_WORLD_SIZE", "1") == "1"):
