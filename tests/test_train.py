@@ -14,6 +14,8 @@ sequences of 32 bytes, fp32 unless said:
   job, which resumes from the last checkpoint and follows the uninterrupted curve; a new
   launch on 1 rank then goes on from the relaunched job's last checkpoint; the run prints
   its memory table and text samples and draws its loss curve;
+- a torchrun rank has no gloo thread left once it has destroyed its process group (one left
+  could abort the rank in the interpreter's exit);
 - which checkpoints a resume may use (not a save that did not finish, not one without its data
   position), and the mismatches it refuses;
 - PyTorch's peers (--impl torch: DDP, DDP + ZeroRedundancyOptimizer, fully_shard without and
