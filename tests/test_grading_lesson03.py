@@ -26,6 +26,9 @@ message that names the problem, and pass the others: one bug costs its own point
 | wraps zerokit.ZeRO1Adam | every class check | "used zerokit's ZeRO1Adam" |
 | calls torch.optim.AdamW | numerics, memory, traffic | "torch.optim.AdamW" |
 | the untouched student notebook | every check | "NotImplementedError" |
+
+And the memory census itself: a buffer that gloo's worker thread has not yet let go of after a
+collective's wait() is not counted; one that C++ still holds half a second later is.
 """
 
 import sys
@@ -38,7 +41,7 @@ import torch.distributed as dist
 import zerokit
 from zerokit.adam import adamw_update_
 from zerokit.grading import lesson03
-from conftest import UNFINISHED, exercise_module, fails, fails_every_check, fails_exactly, source_module
+from conftest import UNFINISHED, exercise_module, fails, fails_every_check, fails_exactly, run_ranks, source_module
 from tests.submissions import lesson03 as examples
 
 PRELUDE = """
@@ -434,6 +437,34 @@ def test_stretch_param_groups_is_checked_when_attempted_and_never_fails_its_cell
     out = capsys.readouterr().out
     assert out.strip().splitlines()[-1].startswith("✗ stretch:") and "its own group's settings" in out
     assert lesson03.try_stretch(STRETCH) is True
+
+
+def _held_while_gloo_keeps_a_buffer(rank, world_size, release_after):
+    """optimizer_held_bytes of steps whose one all-reduce's buffer C++ alone holds for
+    `release_after` s after wait() (None: for good), as gloo's worker thread does for a moment."""
+    import threading
+
+    from zerokit.grading.kit import optimizer_held_bytes
+
+    def run_steps(model):
+        buf = torch.ones(10_000)
+        work = dist.all_reduce(buf, async_op=True)
+        work.wait()
+        del buf  # now only the work, on the C++ side, holds the buffer
+        holder = [work]
+        if release_after is not None:
+            threading.Timer(release_after, holder.clear).start()
+        return holder if release_after is None else None
+
+    return optimizer_held_bytes(torch.nn.Linear(2, 2), run_steps)[0]
+
+
+def test_the_memory_census_waits_for_gloo_to_let_go_of_a_finished_collectives_buffer():
+    # the CI failure this guards: AllReduceThenSlice (a correct state) failed the memory check
+    # with its all-reduced gradient counted, which gloo's worker had not yet let go of
+    let_go, kept = run_ranks(_held_while_gloo_keeps_a_buffer, 1, 0.2)[0], \
+        run_ranks(_held_while_gloo_keeps_a_buffer, 1, None)[0]
+    assert (let_go, kept) == (0, 40_000)
 
 
 def test_memory_check_refuses_two_ranks():
