@@ -307,10 +307,11 @@ def _live_tensors():
     return out
 
 
-def _held_by_cxx_alone(t):
-    """No Python object refers to tensor t (a census entry and frames aside): only C++ holds it."""
-    for r in gc.get_referrers(t):  # a loop, not a generator: its closure cell would refer to t
-        if not inspect.isframe(r) and not (type(r) is tuple and len(r) == 3 and r[1] is t):
+def _held_by_cxx_alone(entry):
+    """No Python object refers to the tensor of census entry (nbytes, tensor, storage), the entry
+    itself and frames aside: only C++ holds it."""
+    for r in gc.get_referrers(entry[1]):  # a loop, not a generator: its closure cell would refer to the tensor
+        if r is not entry and not inspect.isframe(r):
             return False
     return True
 
@@ -327,7 +328,7 @@ def _census_after_gloo_lets_go(exclude, patience=0.5):
         gc.collect()
         census = _live_tensors()
         if time.monotonic() > deadline or not any(
-                _held_by_cxx_alone(entry[1]) for k, entry in census.items() if k not in exclude):
+                _held_by_cxx_alone(entry) for k, entry in census.items() if k not in exclude):
             return census
         del census
         time.sleep(0.01)
