@@ -18,8 +18,13 @@ as N broadcasts of the same bytes. Here instead:
   buffer of $(N-1)S$ elements until the sum (gloo's own holds a full-size temporary). Point-
   to-point, not gloo's all-to-all (the same bytes): the all-to-all also copies this rank's own
   chunk, needs an $NS$ buffer, and takes longer (below);
-- **all-gather**: rank i broadcasts its chunk of the output, for every i, in place: no
-  temporary at all (what torch's ZeroRedundancyOptimizer does with its updated shards).
+- **all-gather**, in place, with no temporary at all: at N = 2 rank i broadcasts its chunk of
+  the output, for every i (what torch's ZeroRedundancyOptimizer does with its updated shards);
+  from N = 3 on each rank sends its chunk straight to every other rank and receives theirs,
+  all at once. N broadcasts are N rounds that every rank must reach, and gloo runs a
+  process's collectives on a small pool of threads; the sends and receives are one round.
+  At N = 2 the two move the same bytes, and the broadcasts stay: measured alone the sends
+  were as fast or faster, but inside ZeRO-3's prefetch they were slower (below).
 
 Measured on a 2-core CPU (gloo, fp32, median of 40), in ms, torch's / zerokit's:
 
@@ -34,8 +39,23 @@ Measured on a 2-core CPU (gloo, fp32, median of 40), in ms, torch's / zerokit's:
 runs of 30 each on the same machine: 2,880,000 at N = 2, 9.1-11.8 ms all-to-all, 5.3-6.9
 point-to-point; at N = 4, 15.1-16.2 and 10.8-11.6.)
 
+The all-gather's two forms, on a later day's machine (faster: its torch column is lower than
+above), medians of 40 after 10, the range over 5 runs, in ms:
+
+| elements | N | torch's | N broadcasts | sends and receives |
+|---|---|---|---|---|
+| 500,000 | 2 | 0.8-1.7 | 0.5-0.9 | 0.3-0.5 |
+| 2,880,000 | 2 | 5.6-6.8 | 3.7-5.2 | 2.7-4.5 |
+| 500,000 | 4 | 3.6-5.6 | 2.7-4.6 | 0.9-2.2 |
+| 2,880,000 | 4 | 10.7-12.8 | 8.5-10.2 | 6.2-7.4 |
+
+In the bench at N = 4 (`python -m zerokit.bench -n 4`, in turns with the broadcasts, 4 runs
+each), ZeRO-3 took 1.31-1.36 of its floor instead of 1.41-1.44 (0.67-0.71 of FSDP2's time
+instead of 0.71-0.74); ZeRO-1 stayed at the peer's time (1.01-1.03, before 0.99-1.04). At N = 2 the sends made ZeRO-3 slower: 1.25-1.29 of its
+floor against 1.16-1.20 (4 runs each; why, not found), and ZeRO-1 and ZeRO-2 no faster.
+
 `zerokit.CommCounter` counts each as the one collective it stands for (the paper's volume),
-not as the all-to-all or the N broadcasts it is made of; `WireCounter` sees the real bytes.
+not as the sends, receives or broadcasts it is made of; `WireCounter` sees the real bytes.
 """
 
 import os
@@ -74,7 +94,8 @@ def _counted_as(op, sized_by, group_size):
 
 
 class _Done:
-    """The work handle of a composite collective: wait() waits for its parts (the all-gather's broadcasts)."""
+    """The work handle of a composite collective: wait() waits for its parts (the all-gather's
+    broadcasts, or its sends and receives)."""
 
     def __init__(self, parts):
         self._parts = parts
@@ -197,6 +218,13 @@ def all_gather(output, input, group=None, async_op=False):
     if chunks[rank].data_ptr() != input.data_ptr():  # not in place: this rank's chunk is a copy of input
         chunks[rank].copy_(input.view(-1))
     with _counted_as("all_gather", output, n):
-        works = [dist.broadcast(c, group_src=i, group=group, async_op=True) for i, c in enumerate(chunks)]
+        if n <= 2:  # N broadcasts (at N = 1 one collective all the same: CommCounter counts it as at any N)
+            works = [dist.broadcast(c, group_src=i, group=group, async_op=True) for i, c in enumerate(chunks)]
+        else:  # every transfer at once: each rank sends its chunk to each other rank
+            works = []
+            for j in range(n):
+                if j != rank:  # each pair sends and receives in the same order on both sides
+                    works.append(dist.isend(chunks[rank], group=group, group_dst=j))
+                    works.append(dist.irecv(chunks[j], group=group, group_src=j))
     done = _Done(works)
     return done if async_op else done.wait() and None

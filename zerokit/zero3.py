@@ -360,8 +360,8 @@ class ZeRO3Adam(ShardedParameters):
 
     # Backward's prefetch stays in flight while unit u computes, on gloo too. It once was received
     # at once on gloo, because gloo's own all-gather held a full-size temporary until the slower
-    # rank joined it, on top of backward's peak. zerokit.collectives' all-gather (N broadcasts in
-    # place) holds nothing but the buffer the gather fills anyway: receiving at once cost 4 ms a
+    # rank joined it, on top of backward's peak. zerokit.collectives' all-gather (in place)
+    # holds nothing but the buffer the gather fills anyway: receiving at once cost 4 ms a
     # step at N = 2 (the bench: 1.25-1.39 of the floor with it, 1.19-1.25 without) for the same
     # peak (39.54 and 39.55 MiB per rank).
 

@@ -7,7 +7,7 @@ theoretical volume on one flat fp32 buffer (all-reduce Psi; reduce-scatter Psi +
 Psi; ZeRO-3 a second all-gather). Timed per stage, interleaved with the stage's two
 systems. Overlapping communication with compute can in principle go below it. The
 collectives are zerokit's (zerokit.collectives): on gloo a direct exchange for the
-reduce-scatter and N broadcasts for the all-gather, about twice as fast as gloo's own.
+reduce-scatter and an in-place exchange for the all-gather, about twice as fast as gloo's own.
 """
 
 import torch

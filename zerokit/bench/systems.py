@@ -24,8 +24,8 @@ default would make one bucket of the whole small model, sent only after backward
 
 ZeRO-1's buckets, and DataParallel's, are half the model (two, or three where a block does not
 fit in what is left), as their peer's are few and large (DDP: 25 MiB, the first 1 MiB). Each
-ZeRO-1 bucket costs a reduce-scatter during backward and N broadcasts in step(); the
-broadcasts gain nothing from finer buckets, since step() waits for them, while two buckets
+ZeRO-1 bucket costs a reduce-scatter during backward and an all-gather in step() (N
+broadcasts at N = 2); these gain nothing from finer buckets, since step() waits for them, while two buckets
 already let the first half's reduce-scatter overlap backward of the second. With one block
 per bucket (6 on the small transformer, 5 on the MLP) ZeRO-1 issued 6 + 6N collectives a step
 where the peer issues 2 + N (README: the times). ZeRO1Adam's own default, one bucket reduced
