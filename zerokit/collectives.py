@@ -21,8 +21,8 @@ as N broadcasts of the same bytes. Here instead:
 - **all-gather**, in place, with no temporary at all: at N = 2 rank i broadcasts its chunk of
   the output, for every i (what torch's ZeroRedundancyOptimizer does with its updated shards);
   from N = 3 on each rank sends its chunk straight to every other rank and receives theirs,
-  all at once. N broadcasts are N rounds that every rank must reach, and gloo runs a
-  process's collectives on a small pool of threads; the sends and receives are one round.
+  all at once: N broadcasts are N rounds, one per source rank, where the sends and
+  receives are all posted together.
   At N = 2 the two move the same bytes, and the broadcasts stay: measured alone the sends
   were as fast or faster, but inside ZeRO-3's prefetch they were slower (below).
 
@@ -51,8 +51,9 @@ above), medians of 40 after 10, the range over 5 runs, in ms:
 
 In the bench at N = 4 (`python -m zerokit.bench -n 4`, in turns with the broadcasts, 4 runs
 each), ZeRO-3 took 1.31-1.36 of its floor instead of 1.41-1.44 (0.67-0.71 of FSDP2's time
-instead of 0.71-0.74); ZeRO-1 stayed at the peer's time (1.01-1.03, before 0.99-1.04). At N = 2 the sends made ZeRO-3 slower: 1.25-1.29 of its
-floor against 1.16-1.20 (4 runs each; why, not found), and ZeRO-1 and ZeRO-2 no faster.
+instead of 0.71-0.74); ZeRO-1 stayed at the peer's time (1.01-1.03, before 0.99-1.04). At
+N = 2 the sends made ZeRO-3 slower, 1.25-1.29 of its floor against 1.16-1.20 (4 runs each;
+why was not found), and ZeRO-1 and ZeRO-2 no faster.
 
 `zerokit.CommCounter` counts each as the one collective it stands for (the paper's volume),
 not as the sends, receives or broadcasts it is made of; `WireCounter` sees the real bytes.

@@ -25,10 +25,13 @@ default would make one bucket of the whole small model, sent only after backward
 ZeRO-1's buckets, and DataParallel's, are half the model (two, or three where a block does not
 fit in what is left), as their peer's are few and large (DDP: 25 MiB, the first 1 MiB). Each
 ZeRO-1 bucket costs a reduce-scatter during backward and an all-gather in step() (N
-broadcasts at N = 2); these gain nothing from finer buckets, since step() waits for them, while two buckets
-already let the first half's reduce-scatter overlap backward of the second. With one block
-per bucket (6 on the small transformer, 5 on the MLP) ZeRO-1 issued 6 + 6N collectives a step
-where the peer issues 2 + N (README: the times). ZeRO1Adam's own default, one bucket reduced
+broadcasts at N = 2); the all-gathers gain nothing from finer buckets, since step() waits for
+them, while two buckets already let the first half's reduce-scatter overlap backward of the
+second. With the all-gather one exchange at N = 4 (zerokit.collectives), in turns: half the
+model 0.99, 0.99 and 0.99 of the peer's time, a third 1.05, 1.04 and 0.99, one block 1.12,
+1.13 and 1.08. Before that, with N broadcasts and one block per bucket (6 on the small
+transformer, 5 on the MLP), ZeRO-1 issued 6 + 6N collectives a step where the peer issues
+2 + N (README: the times). ZeRO1Adam's own default, one bucket reduced
 in step(), sends nothing during backward. DataParallel with one-block buckets took 1.06-1.13
 of DDP's time (1.21-1.31 of the floor), with half-model buckets 1.03-1.09 (1.12-1.21), N = 2
 in turns, at a peak of 0.92-0.94 of DDP's instead of 0.83 (its copies of the two buckets in
