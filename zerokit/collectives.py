@@ -115,6 +115,18 @@ def _direct(group, tensor):
     return tensor.device.type == "cpu" and dist.get_backend(group) == "gloo"
 
 
+def _exchange(send, receive, group, n, rank):
+    """With every other rank j: send send(j) to it and receive receive(j) from it, all posted at once.
+    Each pair sends and receives in the same order on both sides, the reduce-scatter and the
+    all-gather alike, so gloo matches each message with its receive."""
+    works = []
+    for j in range(n):
+        if j != rank:
+            works.append(dist.isend(send(j), group=group, group_dst=j))
+            works.append(dist.irecv(receive(j), group=group, group_src=j))
+    return works
+
+
 def reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
     """output = op over the ranks of this rank's chunk of input; op SUM or AVG on gloo."""
     n = dist.get_world_size(group)
@@ -132,10 +144,7 @@ def reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=None, async_op=Fal
         works = []
         if n == 1:  # no peer to send to, but one collective all the same: CommCounter counts it as at any N
             works.append(dist.all_to_all_single(output.view(-1), rows.view(-1), group=group, async_op=True))
-        for j in range(n):
-            if j != rank:  # each pair sends and receives in the same order on both sides
-                works.append(dist.isend(rows[j], group=group, group_dst=j))
-                works.append(dist.irecv(received[j - (j > rank)], group=group, group_src=j))
+        works += _exchange(lambda j: rows[j], lambda j: received[j - (j > rank)], group, n, rank)
 
     def finish():
         # the chunks in rank order (as a sum over dim 0 of the N rows would add them), ours in place
@@ -222,10 +231,6 @@ def all_gather(output, input, group=None, async_op=False):
         if n <= 2:  # N broadcasts (at N = 1 one collective all the same: CommCounter counts it as at any N)
             works = [dist.broadcast(c, group_src=i, group=group, async_op=True) for i, c in enumerate(chunks)]
         else:  # every transfer at once: each rank sends its chunk to each other rank
-            works = []
-            for j in range(n):
-                if j != rank:  # each pair sends and receives in the same order on both sides
-                    works.append(dist.isend(chunks[rank], group=group, group_dst=j))
-                    works.append(dist.irecv(chunks[j], group=group, group_src=j))
+            works = _exchange(lambda j: chunks[rank], lambda j: chunks[j], group, n, rank)
     done = _Done(works)
     return done if async_op else done.wait() and None
