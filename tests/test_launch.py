@@ -430,3 +430,27 @@ def test_a_preforked_kernel_forks_its_own_fork_server(tmp_path, pytestconfig, st
     while time.monotonic() < end and alive(seen["server"]):
         time.sleep(0.1)
     assert not alive(seen["server"])
+
+
+def test_ranks_that_fail_and_exit_between_two_polls_are_an_error_not_a_result(tmp_path):
+    """The poll loop's race, made certain: the ranks write their results (one an error) and exit
+    after a poll found nothing and before the job is seen done. The error must be raised; once it
+    was handed back as rank 0's return value, and a failing grading check passed under load."""
+    import cloudpickle
+
+    from zerokit.launcher import runner
+    from zerokit.launcher.ranks import Rank
+
+    ranks = [Rank(r, tmp_path) for r in range(2)]
+
+    class FinishesUnseen:  # done() is asked once the poll has found no result yet
+        def start(self, ranks):
+            pass
+
+        def done(self, ranks):
+            for r, result in zip(ranks, [("error", {"message": "planted"}), ("ok", 1)]):
+                r.file("result").write_bytes(cloudpickle.dumps(result))
+            return True
+
+    outcome, _ = runner._run(FinishesUnseen(), ranks, timeout=10, memory_limit_gb=None, echo=False)
+    assert outcome == "error", outcome

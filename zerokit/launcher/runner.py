@@ -146,6 +146,10 @@ def _make_run_dir(fn, args, backend, timeout, worker_env, cwd):
     return run_dir
 
 
+def _failed(ranks):
+    return any(r.result and r.result[0] == "error" for r in ranks)
+
+
 def _run(job, ranks, timeout, memory_limit_gb, echo):
     """Start the job and poll it until it ends one way or another.
 
@@ -159,7 +163,7 @@ def _run(job, ranks, timeout, memory_limit_gb, echo):
     while True:
         time.sleep(0.02)
         poll()
-        if any(r.result and r.result[0] == "error" for r in ranks):
+        if _failed(ranks):
             # give the other ranks a moment to report their own errors, then stop
             wait_for(lambda: job.done(ranks) or all(r.result for r in ranks), 1.0, poll)
             return "error", None
@@ -168,8 +172,13 @@ def _run(job, ranks, timeout, memory_limit_gb, echo):
         if memory_limit_gb and any(r.peak_rss > memory_limit_gb * 2**30 for r in ranks):
             return "memory", None
         if job.done(ranks):
+            # the ranks may have written their results and exited between the poll above and now:
+            # what they wrote decides, an error included (read as "ok", a rank's error record was
+            # once handed back as its return value, and a failing check passed)
             wait_for(lambda: all(r.result or not alive(r.pid) for r in ranks), 1.0, poll)
             poll()
+            if _failed(ranks):
+                return "error", None
             return ("ok" if all(r.result for r in ranks) else "crash"), None
         if deadline is not None and time.monotonic() > deadline:
             finished = [r.rank for r in ranks if r.result]  # before the kill changes it
