@@ -1,0 +1,162 @@
+"""FullyShard's FSDP2 controls, measured (zerokit/fully_shard/: reshard.py, sharding.py, __init__.py).
+
+Each control is measured on real ranks by zerokit.memory.census and zerokit.CommCounter and held
+to its formula (zerokit.fully_shard.reshard's table), on 4 ranks laid out as 2 "nodes" of 2:
+
+- reshard_after_forward True / False / None / 2 (hpZ): the parameter bytes held between forward
+  and backward, the all-gather bytes of backward, and how many of them cross a node; each is
+  bitwise the others' training (the same arithmetic), and ReshardZeRO3Adam(k) is bitwise
+  ZeRO3Adam, lesson 05's class;
+- gradient sync off for k - 1 micro-batches: nothing communicated meanwhile, one reduce-scatter
+  a step, the full gradients in the census, and the result equal to synchronised accumulation
+  within fp32 rounding (not bitwise: the micro-batches are summed before the mean over ranks
+  instead of after it, two roundings in another order);
+- unshard / reshard, explicit prefetch, grouped units, output_dtype and cast_forward_inputs.
+
+Formulas are taken over the units' padded flat buckets (a unit's elements padded to a multiple
+of N: FlatBucket's layout, read from the sharding), which are checked to hold the model's Ψ.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import zerokit
+from conftest import run_ranks
+from zerokit.memory import census
+from zerokit.fully_shard.reshard import ReshardZeRO3Adam
+
+NODE = 2  # ranks per "node": 4 ranks are 2 nodes of 2
+
+
+class Uneven(nn.Module):
+    """Layers of uneven shapes (FSDP2's own tests use (7, 15), (15, 3), (16, 17)), and a root that
+    owns a parameter of its own, so that the root unit is not empty."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.mid = nn.Linear(7, 15), nn.Linear(15, 3)
+        self.up, self.out = nn.Linear(3, 16), nn.Linear(16, 17)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 17))
+
+    def forward(self, x):
+        h = torch.relu(self.mid(torch.relu(self.inp(x))))
+        return self.out(torch.relu(self.up(h))) * self.scale
+
+
+def uneven(seed=0):
+    torch.manual_seed(seed)
+    return Uneven()
+
+
+def data(rank, step, n=4):
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randn(n, 7, generator=g), torch.randn(n, 17, generator=g)
+
+
+def loss_of(model, rank, step):
+    x, y = data(rank, step)
+    return nn.functional.mse_loss(model(x), y)
+
+
+# ---------------------------------------------------------------------------------------
+# reshard_after_forward: memory and traffic per control, 4 ranks as 2 x 2
+
+
+CONTROLS = (True, False, None, NODE)
+
+
+def _reshard_case(rank, world_size):
+    out = {}
+    for control in CONTROLS:
+        fs = zerokit.FullyShard(uneven(), reshard_after_forward=control)
+        opt = torch.optim.Adam(fs.parameters(), lr=1e-2)
+        sharding = fs._sharding
+        padded = [b.padded_numel for b in sharding.buckets]
+        root = [b.padded_numel for b, u in zip(sharding.buckets, sharding.bucket_units) if u == 0]
+        losses, steps = [], []
+        for step in range(3):
+            with zerokit.CommCounter() as fwd:
+                loss = loss_of(fs, rank, step)
+            held = census(fs, fs, scan=False)["parameters"]
+            with zerokit.CommCounter() as bwd:
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+            steps.append({"held": held, "fwd_ag": fwd.node_split(NODE, "all_gather"),
+                          "bwd_ag": bwd.node_split(NODE, "all_gather"), "bwd_rs": bwd.node_split(NODE, "reduce_scatter"),
+                          "bwd_ag_calls": bwd.count("all_gather")})
+        out[control] = {"padded": padded, "root": sum(root), "losses": losses, "steps": steps,
+                        "weights": fs.full_parameters()}
+    # lesson 05's class against the same machinery with hpZ: the optimizer is Adam in both
+    for name, cls, kw in (("zero3", zerokit.ZeRO3Adam, {}), ("hpz", ReshardZeRO3Adam, {"reshard_after_forward": NODE})):
+        model = uneven()
+        opt = cls(model, lr=1e-2, **kw)
+        losses = []
+        for step in range(3):
+            loss = loss_of(model, rank, step)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        with opt.gathered():
+            out[name] = {"losses": losses, "weights": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    return out
+
+
+@pytest.mark.distributed
+def test_reshard_after_forward_memory_and_traffic_against_the_formula():
+    n = 4
+    psi = sum(p.numel() for p in uneven().parameters())
+    for rank, got in enumerate(run_ranks(_reshard_case, n)):
+        padded = got[True]["padded"]
+        total = sum(padded)
+        assert psi <= total < psi + len(padded) * n  # the buckets hold the model, padded by < N each
+        shard_bytes = 4 * total // n
+        # what each control holds between forward and backward, beyond the shards (fp32: 4 bytes)
+        beyond = {True: 0, False: 4 * total, None: 4 * got[True]["root"], NODE: 4 * total // NODE}
+        # backward's all-gather volume: every unit again (True), all but the root (None), none (False),
+        # every unit from its secondary shards inside the node (hpZ)
+        regathered = {True: total, False: 0, None: total - got[True]["root"], NODE: total}
+        for control in CONTROLS:
+            for step, s in enumerate(got[control]["steps"]):
+                where = f"rank {rank}, reshard_after_forward={control}, step {step}"
+                assert s["held"] == shard_bytes + beyond[control], (where, s["held"], shard_bytes, beyond[control])
+                assert s["fwd_ag"] == {"intra": 0, "inter": 4 * total}, where  # forward: over all 4 ranks
+                assert s["bwd_rs"] == {"intra": 0, "inter": 4 * total}, where  # the gradients: over all 4 ranks
+                if control == NODE:  # hpZ: backward's gathers never leave the node
+                    assert s["bwd_ag"] == {"intra": 4 * total, "inter": 0}, where
+                else:
+                    assert s["bwd_ag"] == {"intra": 0, "inter": 4 * regathered[control]}, where
+                if control is False:
+                    assert s["bwd_ag_calls"] == 0, where
+        assert got[NODE]["steps"][0]["held"] - shard_bytes == 4 * total // NODE  # Psi/k beside Psi/N
+        for control in CONTROLS:  # the same arithmetic: bitwise the same training
+            assert got[control]["losses"] == got[True]["losses"], control
+            for name, w in got[True]["weights"].items():
+                assert torch.equal(got[control]["weights"][name], w), (control, name)
+        assert got["hpz"]["losses"] == got["zero3"]["losses"]
+        for name, w in got["zero3"]["weights"].items():
+            assert torch.equal(got["hpz"]["weights"][name], w), name
+    print(f"Psi = {psi}, N = 4 as 2 x 2: held after forward (bytes, rank 0): "
+          + ", ".join(f"{c}: {got[c]['steps'][0]['held']}" for c in CONTROLS))
+
+
+def _refused(rank, world_size):
+    said = []
+    for bad in (3, 0, "2", 2.0):
+        try:
+            zerokit.FullyShard(uneven(), reshard_after_forward=bad)
+        except (ValueError, TypeError) as exc:
+            said.append(str(exc))
+    return said
+
+
+@pytest.mark.distributed
+def test_a_node_size_that_does_not_divide_the_ranks_is_refused():
+    said = run_ranks(_refused, 4)[0]
+    assert len(said) == 4, said
+    assert "must divide the 4 ranks" in said[0] and "must divide the 4 ranks" in said[1]
+    assert "must be True, False, None or an int" in said[2] and "must be True, False, None or an int" in said[3]
