@@ -160,3 +160,88 @@ def test_a_node_size_that_does_not_divide_the_ranks_is_refused():
     assert len(said) == 4, said
     assert "must divide the 4 ranks" in said[0] and "must divide the 4 ranks" in said[1]
     assert "must be True, False, None or an int" in said[2] and "must be True, False, None or an int" in said[3]
+
+
+# ---------------------------------------------------------------------------------------
+# gradient sync off: accumulation without reducing each micro-batch
+
+
+MICRO = 3  # micro-batches per step: the first MICRO - 1 with gradient sync off
+
+
+def _accumulate(rank, world_size):
+    psi = sum(p.numel() for p in uneven().parameters())
+    out = {}
+    for system in ("synced", "no-sync", "no-sync in place", "ZeRO3Adam.no_sync"):
+        model = uneven()
+        if system == "ZeRO3Adam.no_sync":
+            opt = zerokit.ZeRO3Adam(model, lr=1e-2)
+            sharding, owner = opt, model
+        else:
+            owner = zerokit.fully_shard(model) if system.endswith("in place") else zerokit.FullyShard(model)
+            opt = torch.optim.Adam(owner.parameters(), lr=1e-2)
+            sharding = getattr(owner, "_sharding", None) or owner._zerokit_sharding
+        record = {"quiet": [], "step_rs": [], "grads_held": []}
+        for step in range(3):
+            with zerokit.CommCounter() as whole:
+                for k in range(MICRO):
+                    last = k == MICRO - 1
+                    if system == "ZeRO3Adam.no_sync":
+                        sync = last
+                        context = opt.no_sync() if not last else _nothing()
+                    else:
+                        sync = last or system == "synced"
+                        if system != "synced":
+                            owner.set_requires_gradient_sync(last)
+                        context = _nothing()
+                    with zerokit.CommCounter() as micro, context:
+                        loss_of(owner, rank, MICRO * step + k).backward()
+                    if not sync:
+                        record["quiet"].append(micro.count("reduce_scatter") + micro.count("all_reduce"))
+                        record["grads_held"].append(census(owner, sharding, scan=False)["gradients"])
+                opt.step()
+                opt.zero_grad(set_to_none=step % 2 == 0)
+            record["step_rs"].append(whole.count("reduce_scatter"))
+        if system == "ZeRO3Adam.no_sync":
+            with opt.gathered():
+                record["weights"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        else:
+            record["weights"] = owner.full_parameters()
+        record["buckets"] = len(sharding.buckets)
+        # the shard parameters' own .grad, kept (zeroed) by zero_grad(set_to_none=False): views of one
+        # buffer per bucket, this rank's padded shard of it (FlatBucket's layout)
+        record["shard_numel"] = 0 if system == "ZeRO3Adam.no_sync" else sum(b.shard_numel for b in sharding.buckets)
+        out[system] = record
+    return psi, out
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_gradient_sync_off_accumulates_without_reducing(world_size):
+    for rank, (psi, got) in enumerate(run_ranks(_accumulate, world_size)):
+        buckets = got["synced"]["buckets"]
+        assert got["synced"]["step_rs"] == [MICRO * buckets] * 3  # each micro-batch reduce-scatters
+        for system in ("no-sync", "no-sync in place", "ZeRO3Adam.no_sync"):
+            r = got[system]
+            assert r["quiet"] == [0] * (3 * (MICRO - 1)), (system, r["quiet"])  # no reduction while off
+            assert r["step_rs"] == [buckets] * 3, (system, r["step_rs"])  # one reduce-scatter a step
+            # the full gradients, 4 Psi bytes, and in step 2 the zeroed shard .grad step 1's zero_grad kept
+            kept = [0, 0, 4 * r["shard_numel"]]
+            want = [4 * psi + kept[step] for step in range(3) for _ in range(MICRO - 1)]
+            assert r["grads_held"] == want, (system, r["grads_held"], want)
+        synced, quiet = got["synced"]["weights"], got["no-sync"]["weights"]
+        worst = max((synced[n] - quiet[n]).abs().max().item() for n in synced)
+        assert worst <= 1e-6, worst  # fp32 rounding: the sum over micro-batches and the mean over ranks swap
+        for system in ("no-sync in place", "ZeRO3Adam.no_sync"):  # one machinery: bitwise the same
+            for name, w in quiet.items():
+                assert torch.equal(got[system]["weights"][name], w), (system, name)
+    print(f"N = {world_size}: no-sync against synced accumulation, max |difference| {worst:.2e} "
+          f"({'bitwise' if worst == 0 else 'not bitwise'})")
