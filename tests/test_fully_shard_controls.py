@@ -245,3 +245,121 @@ def test_gradient_sync_off_accumulates_without_reducing(world_size):
                 assert torch.equal(got[system]["weights"][name], w), (system, name)
     print(f"N = {world_size}: no-sync against synced accumulation, max |difference| {worst:.2e} "
           f"({'bitwise' if worst == 0 else 'not bitwise'})")
+
+
+# ---------------------------------------------------------------------------------------
+# unshard / reshard, explicit prefetch, grouped units, output_dtype and cast_forward_inputs
+
+
+def _gathers_before(module, counter, seen, backward=False):
+    """Note how many all-gathers the counter has seen when `module`'s forward (or backward) starts."""
+    note = lambda *_: seen.append(counter.count("all_gather"))  # noqa: E731
+    if backward:
+        return module.register_full_backward_pre_hook(note)
+    return module.register_forward_pre_hook(note)
+
+
+def _units_case(rank, world_size):
+    out = {}
+    # unshard / reshard, in place: the unit's modules show the compute parameters while it is gathered
+    model = zerokit.fully_shard(uneven())
+    shard_shape = tuple(model.inp.weight.shape)
+    with zerokit.CommCounter() as c:
+        model.inp.unshard()
+    out["unshard"] = (c.count("all_gather"), tuple(model.inp.weight.shape), model.inp.weight.numel() > 0)
+    with zerokit.CommCounter() as c:
+        loss_of(model, rank, 0).backward()  # inp's forward finds it gathered: one all-gather fewer
+    out["forward_after_unshard"] = c.count("all_gather")
+    with zerokit.CommCounter() as c:
+        loss_of(model, rank, 0).backward()
+    out["forward_plain"] = c.count("all_gather")
+    shard_shape = tuple(model.out.weight.shape)
+    handle = model.out.unshard(async_op=True)
+    handle.wait()
+    shown = tuple(model.out.weight.shape)
+    model.out.reshard()
+    out["reshard"] = (shown, tuple(model.out.weight.shape), shard_shape)
+
+    # explicit prefetch: which gathers have started when inp's forward, or up's backward, begins
+    for mode in ("implicit", "explicit", "none"):
+        model = zerokit.fully_shard(uneven())
+        layers = [model.inp, model.mid, model.up, model.out]
+        if mode == "explicit":
+            model.set_modules_to_forward_prefetch(layers)  # the root's forward starts every layer's gather
+            model.out.set_modules_to_backward_prefetch([model.up, model.mid, model.inp])
+        elif mode == "none":
+            for m in [model] + layers:
+                m.set_modules_to_forward_prefetch([])
+                m.set_modules_to_backward_prefetch([])
+        seen_fwd, seen_bwd = [], []
+        loss_of(model, rank, 0).backward()  # a first step: the implicit prefetch learns the order
+        with zerokit.CommCounter() as c:
+            hooks = [_gathers_before(model.inp, c, seen_fwd), _gathers_before(model.up, c, seen_bwd, backward=True)]
+            loss = loss_of(model, rank, 1)
+            forward_gathers = c.count("all_gather")
+            loss.backward()
+        for h in hooks:
+            h.remove()
+        out[mode] = (seen_fwd[0], seen_bwd[0] - forward_gathers, forward_gathers, c.count("all_gather"))
+
+    # a group of modules as one unit (FSDP2's fully_shard([inp, mid])): gathered once, bitwise the same
+    weights = {}
+    for units in (None, [[0, 1], 2, 3]):
+        model = uneven()
+        layers = [model.inp, model.mid, model.up, model.out]
+        chosen = None if units is None else [[layers[i] for i in u] if isinstance(u, list) else layers[u]
+                                             for u in units]
+        fs = zerokit.FullyShard(model, units=chosen)
+        opt = torch.optim.Adam(fs.parameters(), lr=1e-2)
+        full_inside = []
+        fs.module.mid.register_forward_pre_hook(lambda m, a: full_inside.append(m.weight.numel()))
+        for step in range(3):
+            with zerokit.CommCounter() as c:
+                loss_of(fs, rank, step).backward()
+            opt.step()
+            opt.zero_grad()
+        weights["grouped" if units else "one per layer"] = (fs.full_parameters(), c.table()["all_gather"]["calls"],
+                                                              full_inside)
+    out["groups"] = weights
+
+    # output_dtype and cast_forward_inputs, at every unit
+    model = zerokit.fully_shard(uneven(), compute_dtype=torch.bfloat16, output_dtype=torch.float32)
+    dtypes = []
+    model.mid.register_forward_pre_hook(lambda m, a: dtypes.append(("mid in", a[0].dtype)))
+    model.mid.register_forward_hook(lambda m, a, o: dtypes.append(("mid out", o.dtype)))
+    result = model(data(rank, 0)[0])
+    out["dtypes"] = dtypes + [("model out", result.dtype)]
+    loose = zerokit.fully_shard(uneven(), compute_dtype=torch.bfloat16, cast_forward_inputs=False)
+    try:
+        loose(data(rank, 0)[0])  # fp32 input, bf16 weights: nothing casts it
+        out["uncast"] = "ran"
+    except RuntimeError as exc:
+        out["uncast"] = str(exc)
+    return out
+
+
+@pytest.mark.distributed
+def test_unshard_prefetch_groups_and_casts():
+    for rank, got in enumerate(run_ranks(_units_case, 2)):
+        calls, shape, full = got["unshard"]
+        assert calls == 1 and shape == (15, 7) and full, got["unshard"]
+        assert got["forward_after_unshard"] == got["forward_plain"] - 1
+        shown, after, shard_shape = got["reshard"]
+        assert shown == (17, 16) and after == shard_shape and len(shard_shape) == 1, got["reshard"]
+        # forward: gathers begun when inp computes (root and inp, + mid prefetched; explicit: all five)
+        assert got["implicit"][0] == 3 and got["explicit"][0] == 5 and got["none"][0] == 2, got
+        # backward (the root stays gathered): up's backward pre-hook runs before zerokit's hook on up's
+        # output (the module's hook wraps that output), so out's gather is in, and up's if out's
+        # backward prefetched it (implicit); explicit from out: up, mid and inp; no prefetch: out's alone
+        assert got["implicit"][1] == 2 and got["explicit"][1] == 4 and got["none"][1] == 1, got
+        for mode in ("implicit", "explicit", "none"):  # the same gathers, only earlier or later
+            assert got[mode][2:] == got["implicit"][2:], (mode, got[mode])
+        (grouped, grouped_calls, full_inside), (plain, plain_calls, _) = got["groups"]["grouped"], \
+            got["groups"]["one per layer"]
+        assert plain_calls - grouped_calls == 2  # one gather fewer in forward and in backward
+        assert all(n == 15 * 3 for n in full_inside), full_inside  # mid's weight full in its forward
+        for name, w in plain.items():
+            assert torch.equal(grouped[name], w), name
+        assert got["dtypes"] == [("mid in", torch.bfloat16), ("mid out", torch.float32),
+                                 ("model out", torch.float32)], got["dtypes"]
+        assert "dtype" in got["uncast"], got["uncast"]
