@@ -363,3 +363,66 @@ def test_unshard_prefetch_groups_and_casts():
         assert got["dtypes"] == [("mid in", torch.bfloat16), ("mid out", torch.float32),
                                  ("model out", torch.float32)], got["dtypes"]
         assert "dtype" in got["uncast"], got["uncast"]
+
+
+# ---------------------------------------------------------------------------------------
+# in place: the model's own parameters are the shards
+
+
+def _in_place_case(rank, world_size):
+    from zerokit.fully_shard import FullyShardedModule
+
+    model = uneven()
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    same = zerokit.fully_shard(model)
+    params = dict(model.named_parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    seen = {}
+    for step in range(3):
+        loss_of(model, rank, step).backward()
+        # what a test written for FSDP2 reads after backward: every parameter has a gradient, its shape
+        seen[step] = {n: (None if p.grad is None else tuple(p.grad.shape), tuple(p.shape))
+                      for n, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad(set_to_none=step % 2 == 0)
+    wrapper = zerokit.FullyShard(uneven())
+    wopt = torch.optim.AdamW(wrapper.parameters(), lr=1e-2, weight_decay=0.1)
+    for step in range(3):
+        loss_of(wrapper, rank, step).backward()
+        wopt.step()
+        wopt.zero_grad(set_to_none=step % 2 == 0)
+    refused = []
+    for call in (lambda: model.state_dict(), lambda: zerokit.fully_shard(model), lambda: model.inp.full_parameters(),
+                 lambda: model.inp.set_requires_gradient_sync(False), lambda: zerokit.fully_shard(model.mid)):
+        try:
+            call()
+            refused.append(None)
+        except (NotImplementedError, ValueError, RuntimeError) as exc:
+            refused.append(str(exc))
+    return {"same": same is model, "kinds": [isinstance(m, FullyShardedModule) for m in (model, model.inp, model.out)],
+            "class": type(model).__name__, "is_uneven": isinstance(model, Uneven), "shapes": shapes,
+            "names": sorted(params), "optimizer_got": [p is params[n] for n, p in model.named_parameters()],
+            "numels": {n: p.numel() for n, p in params.items()}, "seen": seen, "full": model.full_parameters(),
+            "wrapper": wrapper.full_parameters(), "refused": refused}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_in_place_the_models_parameters_are_the_shards(world_size):
+    results = run_ranks(_in_place_case, world_size)
+    psi = sum(p.numel() for p in uneven().parameters())
+    for rank, got in enumerate(results):
+        assert got["same"] and got["kinds"] == [True, True, True] and got["is_uneven"], got["class"]
+        assert got["names"] == sorted(got["shapes"]), "the model keeps its parameter names"
+        assert all(got["optimizer_got"])
+        for step, seen in got["seen"].items():
+            for name, (grad_shape, shape) in seen.items():
+                assert len(shape) == 1 and grad_shape == shape, (rank, step, name, grad_shape, shape)
+        for name, w in got["full"].items():
+            assert tuple(w.shape) == got["shapes"][name]
+            assert torch.equal(w, got["wrapper"][name]), name  # one machinery: the wrapper's numbers
+        said = got["refused"]
+        assert "state_dict() would be a sliver" in said[0]
+        assert "already sharded" in said[1] and "already sharded" in said[4]
+        assert "for the whole model" in said[2] and "for the whole model" in said[3]
+    assert sum(sum(got["numels"].values()) for got in results) == psi  # together the pieces are the model
