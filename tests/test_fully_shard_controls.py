@@ -426,3 +426,77 @@ def test_in_place_the_models_parameters_are_the_shards(world_size):
         assert "already sharded" in said[1] and "already sharded" in said[4]
         assert "for the whole model" in said[2] and "for the whole model" in said[3]
     assert sum(sum(got["numels"].values()) for got in results) == psi  # together the pieces are the model
+
+
+# ---------------------------------------------------------------------------------------
+# clipping: the norm over every rank, and torch's own refusing a piece
+
+
+CLIP = {2.0: 0.1, float("inf"): 0.04}  # below the first step's norm for each norm type
+
+
+def _clip_reference(rank, world_size, n, norm_type):
+    """One process, the whole batch (every rank's rows), torch's clip_grad_norm_ and AdamW."""
+    model = uneven()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    norms = []
+    for step in range(4):
+        xs, ys = zip(*(data(r, step) for r in range(n)))
+        nn.functional.mse_loss(model(torch.cat(xs)), torch.cat(ys)).backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP[norm_type], norm_type=norm_type).item())
+        opt.step()
+        opt.zero_grad()
+    return norms, {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def _clip_case(rank, world_size):
+    out = {}
+    for face in ("wrapper", "in place"):
+        for norm_type in (2.0, float("inf")):
+            model = zerokit.FullyShard(uneven()) if face == "wrapper" else zerokit.fully_shard(uneven())
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+            norms = []
+            for step in range(4):
+                loss_of(model, rank, step).backward()
+                norms.append(model.clip_grad_norm_(CLIP[norm_type], norm_type=norm_type).item())
+                opt.step()
+                opt.zero_grad()
+            out[(face, norm_type)] = (norms, model.full_parameters())
+    loss_of(model, rank, 0).backward()
+    said = []
+    for call in (lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5),
+                 lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5, foreach=True),
+                 lambda: next(p for p in model.parameters() if p.grad is not None).grad.norm()):
+        try:
+            call()
+            said.append(None)
+        except RuntimeError as exc:
+            said.append(str(exc))
+    model.set_requires_gradient_sync(False)
+    loss_of(model, rank, 1).backward()
+    try:
+        model.clip_grad_norm_(0.5)
+        said.append(None)
+    except RuntimeError as exc:
+        said.append(str(exc))
+    return out, said
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_clip_grad_norm_is_the_norm_over_every_rank(world_size):
+    reference = {p: run_ranks(_clip_reference, 1, world_size, p)[0] for p in (2.0, float("inf"))}
+    apart = {"norm": 0.0, "weights": 0.0}
+    for rank, (got, said) in enumerate(run_ranks(_clip_case, world_size)):
+        for (face, p), (norms, weights) in got.items():
+            ref_norms, ref_weights = reference[p]
+            assert ref_norms[0] > CLIP[p]  # the clip acts: a real comparison
+            assert norms == pytest.approx(ref_norms, rel=1e-6), (face, p, norms, ref_norms)
+            worst = max((weights[n] - w).abs().max().item() for n, w in ref_weights.items())
+            assert worst <= 1e-5, (face, p, worst)
+            apart["weights"] = max(apart["weights"], worst)
+            apart["norm"] = max(apart["norm"], max(abs(a - b) / b for a, b in zip(norms, ref_norms)))
+        assert all(s is not None and "one rank's piece of a sharded gradient" in s for s in said[:3]), said
+        assert said[3] is not None and "requires_gradient_sync is off" in said[3], said[3]
+    print(f"N = {world_size}, 4 clipped steps against one process: norms {apart['norm']:.1e} apart (relative), "
+          f"weights {apart['weights']:.1e}")
