@@ -1,7 +1,7 @@
 """FullyShard's FSDP2 controls, measured (zerokit/fully_shard/: reshard.py, sharding.py, __init__.py).
 
 Each control is measured on real ranks by zerokit.memory.census and zerokit.CommCounter and held
-to its formula (zerokit.fully_shard.reshard's table), on 4 ranks laid out as 2 "nodes" of 2:
+to its formula (the table of zerokit/fully_shard/reshard.py), on 4 ranks laid out as 2 "nodes" of 2:
 
 - reshard_after_forward True / False / None / 2 (hpZ): the parameter bytes held between forward
   and backward, the all-gather bytes of backward, and how many of them cross a node; each is
@@ -86,8 +86,8 @@ def _reshard_case(rank, world_size):
             opt.zero_grad()
             losses.append(loss.item())
             steps.append({"held": held, "fwd_ag": fwd.node_split(NODE, "all_gather"),
-                          "bwd_ag": bwd.node_split(NODE, "all_gather"), "bwd_rs": bwd.node_split(NODE, "reduce_scatter"),
-                          "bwd_ag_calls": bwd.count("all_gather")})
+                          "bwd_ag": bwd.node_split(NODE, "all_gather"),
+                          "bwd_rs": bwd.node_split(NODE, "reduce_scatter"), "bwd_ag_calls": bwd.count("all_gather")})
         out[control] = {"padded": padded, "root": sum(root), "losses": losses, "steps": steps,
                         "weights": fs.full_parameters()}
     # lesson 05's class against the same machinery with hpZ: the optimizer is Adam in both

@@ -155,7 +155,8 @@ def _parity(rank, world_size):
                     ref_params = dict(systems[ref].module.named_parameters())
                     for pname, lo, hi, piece in _pieces(systems["zerokit"]):
                         full = ref_params[pname]
-                        worst[ref][0] = max(worst[ref][0], (piece - full.detach().reshape(-1)[lo:hi]).abs().max().item())
+                        apart = (piece - full.detach().reshape(-1)[lo:hi]).abs().max().item()
+                        worst[ref][0] = max(worst[ref][0], apart)
                         if piece.grad is not None:
                             grad = piece.grad.as_subclass(torch.Tensor)
                             worst[ref][1] = max(worst[ref][1], (grad - full.grad.reshape(-1)[lo:hi]).abs().max().item())
@@ -196,6 +197,7 @@ def test_every_control_trains_as_data_parallel_and_as_fsdp2(world_size):
                 for ref in ("ddp", "dp"):
                     assert r["worst"][ref][0] <= 1e-5 and r["worst"][ref][1] <= 1e-5, (name, ref, r["worst"])
         ddp = results[0][name]["worst"]["ddp"]
-        lines.append(f"{name}: FSDP2 weights {got['apart']:.1e} apart ({'bitwise' if got['bitwise'] else 'not bitwise'})"
+        same = "bitwise" if got["bitwise"] else "not bitwise"
+        lines.append(f"{name}: FSDP2 weights {got['apart']:.1e} apart ({same})"
                      + (f", DDP shard {ddp[0]:.1e} gradient {ddp[1]:.1e}" if not control.get("bf16") else ""))
     print(f"N = {world_size}:\n  " + "\n  ".join(lines))

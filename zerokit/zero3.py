@@ -17,7 +17,9 @@ reverse order during backward.
 
 Units. Each module that directly owns trainable parameters is a unit (pass `units=` to
 group differently, e.g. one unit per transformer block; a list of modules in `units` is one
-unit of them all, FSDP2's `fully_shard([a, b])`). A parameter owned by two
+unit of them all, FSDP2's `fully_shard([a, b])`: ZeRO3Adam gathers it before each of its
+modules' forwards and frees it after each, zerokit.FullyShard keeps it until the last). A
+parameter owned by two
 modules (tied weights) belongs to the root unit, the model itself, which stays gathered
 from the start of forward to the end of backward. A parameter must be used inside the
 forward of the module that owns it, as with PyTorch's FSDP. Frozen parameters are left

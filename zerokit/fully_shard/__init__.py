@@ -10,8 +10,8 @@ r"""ZeRO-3 in PyTorch FSDP2's shape, any optimizer: a wrapper, `FullyShard`, and
 zerokit`, the name `zerokit.fully_shard` is the function, as in torch: import the package's
 parts by their full names, `from zerokit.fully_shard.reshard import ReshardZeRO3Adam`.)
 
-Both faces are one machinery, zerokit.fully_shard.sharding.Sharding (ZeRO3Adam without its Adam, with
-FSDP2's controls): the same units, buckets, hooks, shard parameters and gradients. They differ
+Both faces are one machinery, sharding.py's Sharding (ZeRO3Adam without its Adam, with FSDP2's
+controls): the same units, buckets, hooks, shard parameters and gradients. They differ
 in what the model shows:
 
 - `FullyShard(model)` is a new module around yours. Its parameters() are this rank's shard
@@ -27,21 +27,25 @@ in what the model shows:
   keeps it), its modules show the compute parameters instead, as FSDP2 shows the unsharded
   ones. The units become FullyShardedModules too, with the per-unit controls below.
 
-The controls, in FSDP2's names (zerokit's where they differ):
+The controls, FSDP2's name first, then zerokit's (the README's package section has the table):
 
-| FSDP2 | zerokit | what it does |
-|---|---|---|
-| `fully_shard(m, reshard_after_forward=...)` | the same | True, False, None, or k (hpZ): zerokit.fully_shard.reshard |
-| `mp_policy=MixedPrecisionPolicy(param_dtype, reduce_dtype=float32)` | `compute_dtype=` | gathered weights, forward and backward in 16 bits; shards, optimizer and reduce-scatter in fp32 |
-| `MixedPrecisionPolicy(output_dtype=, cast_forward_inputs=)` | `output_dtype=`, `cast_forward_inputs=` | at every unit: floating outputs cast to output_dtype, floating inputs to compute_dtype |
-| `fully_shard([a, b])` | `units=[[a, b], ...]` | modules gathered and freed as one unit |
-| `for b in blocks: fully_shard(b)`; `fully_shard(model)` | `fully_shard(model, units=blocks)` | one call: zerokit prefetches across units, so it wants them all at once |
-| `m.unshard(async_op)`, `m.reshard()` | the same (wrapper: `fs.unshard(m)`) | gather unit m now / free it |
-| `m.set_modules_to_forward_prefetch(ms)` | the same (wrapper: `fs.set_modules_to_forward_prefetch(m, ms)`) | m's forward starts the gathers of ms, instead of the next unit's |
-| `m.set_modules_to_backward_prefetch(ms)` | the same (wrapper: `fs.set_modules_to_backward_prefetch(m, ms)`) | likewise in backward |
-| `model.set_requires_gradient_sync(False)` | the same, whole model only | no-sync accumulation: full local gradients, one reduce-scatter later |
-| `torch.nn.utils.clip_grad_norm_(model.parameters(), c)` | `model.clip_grad_norm_(c)` | the norm over every rank (torch's raises on zerokit's pieces: zerokit.fully_shard.clip) |
-| `{n: p.full_tensor() for n, p in model.named_parameters()}` | `model.full_parameters()` | the full fp32 tensors, a collective |
+- `fully_shard(m, reshard_after_forward=...)`: the same; True, False, None, or k (hpZ), reshard.py;
+- `mp_policy=MixedPrecisionPolicy(param_dtype, reduce_dtype=float32)`: `compute_dtype=`; the
+  gathered weights, forward and backward in 16 bits, the shards, optimizer and reduce-scatter fp32;
+- `MixedPrecisionPolicy(output_dtype=, cast_forward_inputs=)`: `output_dtype=`,
+  `cast_forward_inputs=`, at every unit: floating outputs cast to output_dtype, inputs to compute_dtype;
+- `fully_shard([a, b])`: `units=[[a, b], ...]`, modules gathered and freed as one unit;
+- `fully_shard(b)` for each block, then `fully_shard(model)`: `fully_shard(model, units=blocks)`, one
+  call (zerokit prefetches across units, so it wants them all at once);
+- `m.unshard(async_op)`, `m.reshard()`: the same (the wrapper: `fs.unshard(m)`), gather unit m now or free it;
+- `m.set_modules_to_forward_prefetch(ms)`, `m.set_modules_to_backward_prefetch(ms)`: the same (the
+  wrapper: `fs.set_modules_to_forward_prefetch(m, ms)`): m starts the gathers of ms, not the next unit's;
+- `model.set_requires_gradient_sync(False)`: the same, on the whole model only: no-sync accumulation,
+  full local gradients, one reduce-scatter later;
+- `torch.nn.utils.clip_grad_norm_(model.parameters(), c)`: `model.clip_grad_norm_(c)`, the norm over
+  every rank (torch's raises on zerokit's pieces: clip.py);
+- `{n: p.full_tensor() for n, p in model.named_parameters()}`: `model.full_parameters()`, the full
+  fp32 tensors, a collective.
 
 Where it differs from FSDP2: a shard parameter is a flat 1-D piece of a parameter (the flat
 buffer is cut anywhere; FSDP2 cuts each tensor along dim 0 and wraps the piece in a DTensor),
@@ -107,7 +111,7 @@ class FullyShard(nn.Module):
         trainable parameter. The root (the model itself) keeps what no unit owns.
     prefetch: start the next unit's all-gather while the current one computes.
     reshard_after_forward: True, False, None (True but for the root) or a node's size k (hpZ):
-        what each unit keeps between forward and backward (zerokit.fully_shard.reshard's table).
+        what each unit keeps between forward and backward (reshard.py's table).
     output_dtype, cast_forward_inputs: FSDP2's MixedPrecisionPolicy fields, at every unit.
 
     parameters() / named_parameters(): this rank's fp32 shard parameters, named after the

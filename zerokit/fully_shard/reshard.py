@@ -28,7 +28,7 @@ shard" over one rank is the whole unit), as in FSDP2.
 `None` is ZeRO3Adam's own behaviour and FSDP2's default. The machinery is ZeRO3Adam's, with
 two hooks changed: what `_post_forward` leaves (free, keep, or keep a secondary shard) and
 where `_start_gather` gathers from (the shards over all N ranks, or the secondary shards over
-the node's k). lesson 11's hpZ is this class with an int.
+the node's k). Lesson 11's hpZ is this class with an int.
 """
 
 from functools import partial

@@ -8,9 +8,9 @@ nothing of ranks, steps them. That an unchanged optimizer may step a piece of a 
 lesson 03's reason again (zerokit.elementwise): an elementwise update of some elements is
 the update of the whole tensor at those elements.
 
-`Sharding` is ZeRO3Adam (with reshard_after_forward, zerokit.fully_shard.reshard) whose per-bucket state
-holds no optimizer state (only the fp32 master when the model computes in 16 bits) and whose
-step() is never called. What it adds:
+`Sharding` is ZeRO3Adam (with reshard_after_forward: reshard.py) whose per-bucket state holds
+no optimizer state (only the fp32 master when the model computes in 16 bits) and whose step()
+is never called. What it adds:
 
 - the shard parameters: for each trainable parameter, a Parameter that is a *view* of its piece
   of this rank's fp32 shard storage (of the fp32 master, when computing in 16 bits; an empty
@@ -18,7 +18,7 @@ step() is never called. What it adds:
   shard, and the next forward's all-gather carries it to every rank;
 - the gradients: when backward ends and every reduce-scatter has landed, each piece of the
   mean gradient shard goes into its shard parameter's .grad (fp32, shaped like it, a
-  zerokit.fully_shard.clip.ShardGrad), added to a .grad already there, as autograd accumulates. A
+  ShardGrad: clip.py), added to a .grad already there, as autograd accumulates. A
   parameter no rank got a gradient for keeps .grad None, so the optimizer skips it as torch's
   optimizers do on one process. Knowing that costs one tiny all-reduce of presence flags per
   synchronised backward;
@@ -31,9 +31,9 @@ step() is never called. What it adds:
   dtype (`cast_forward_inputs`), floating-point outputs to `output_dtype`.
 """
 
-import torch
-import torch.distributed as dist
 from functools import partial
+
+import torch
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
@@ -148,7 +148,7 @@ class Sharding(ReshardZeRO3Adam):
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False):
         """torch.nn.utils.clip_grad_norm_ over the whole model: the norm of every rank's pieces
-        (zerokit.fully_shard.clip). A collective; call it after backward, before the optimizer's step."""
+        (clip.py). A collective; call it after backward, before the optimizer's step."""
         if not self._sync or any(p.grad is not None for b in self.buckets for p in b.params):
             raise RuntimeError("clip_grad_norm_: gradients are waiting, unreduced, on the compute parameters "
                                "(requires_gradient_sync is off): clip after the backward that reduces them")
