@@ -183,3 +183,57 @@ def test_volume_per_step_matches_theory(world_size):
         # ZeRO-3 moves 1.5x what data parallel moves (within the flags and padding)
         ratio = got["zero3"]["steps"][-1]["volume"] / got["ddp"]["steps"][-1]["volume"]
         assert ratio == pytest.approx(1.5, rel=0.015)
+
+
+# --------------------------------------------------------------------------------------
+# per process group: 4 ranks as 2 "nodes" of 2 (lesson 11's layout)
+
+
+def groups_worker(rank, world_size):
+    from torch.distributed._functional_collectives import all_gather_tensor
+
+    from zerokit.collectives import all_gather as zk_all_gather, reduce_scatter as zk_reduce_scatter
+
+    nodes = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank makes every group, in order
+    node = nodes[rank // 2]
+    across = [dist.new_group([0, 2]), dist.new_group([1, 3])][rank % 2]
+    with zerokit.CommCounter() as c:
+        dist.all_reduce(torch.ones(10))  # the default group: spans both nodes
+        all_gather(torch.empty(2 * 3), torch.ones(3), group=node)  # torch's, inside a node
+        zk_all_gather(torch.empty(2 * 5), torch.ones(5), group=node)  # zerokit's (broadcasts), inside
+        zk_reduce_scatter(torch.empty(4), torch.ones(2 * 4), group=across)  # zerokit's (sends), across
+        zk_all_gather(torch.empty(4 * 6), torch.ones(6))  # zerokit's at N = 4 (one exchange), everyone
+        all_gather_tensor(torch.ones(7), 0, node).wait()  # a functional collective (DTensor's, FSDP2's)
+    return {"calls": [(k.op, k.numel, k.ranks) for k in c.calls], "split": c.node_split(2),
+            "split_ag": c.node_split(2, "all_gather"), "on_node": c.volume_bytes(group=node),
+            "on_node_by_ranks": c.volume(group=[2 * (rank // 2), 2 * (rank // 2) + 1]),
+            "count_across": c.count(group=across), "by_group": c.by_group(),
+            "by_world_size": [k.world_size for k in c.calls]}
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(90)
+def test_counter_splits_traffic_by_group_and_node():
+    for rank, got in enumerate(run_ranks(groups_worker, 4)):
+        node = (2 * (rank // 2), 2 * (rank // 2) + 1)
+        across = (rank % 2, rank % 2 + 2)
+        world = (0, 1, 2, 3)
+        assert got["calls"] == [("all_reduce", 10, world), ("all_gather", 6, node), ("all_gather", 10, node),
+                                ("reduce_scatter", 8, across), ("all_gather", 24, world),
+                                ("all_gather", 14, node)], (rank, got["calls"])
+        assert got["by_world_size"] == [4, 2, 2, 2, 4, 2]
+        intra = 4 * (6 + 10 + 14)  # bytes of the calls on the node's group
+        inter = 4 * (2 * 10 + 8 + 24)  # the all-reduce counts twice (paper's volume)
+        assert got["split"] == {"intra": intra, "inter": inter}
+        assert got["split_ag"] == {"intra": intra, "inter": 4 * 24}
+        assert got["on_node"] == intra and got["on_node_by_ranks"] == intra // 4
+        assert got["count_across"] == 1
+        assert set(got["by_group"]) == {world, node, across}
+        assert got["by_group"][node]["all_gather"]["calls"] == 3
+
+
+def test_a_call_without_its_group_cannot_be_placed_on_nodes():
+    c = zerokit.CommCounter()
+    c.calls.append(zerokit.comm.CollectiveCall("all_gather", 100, 4, 4))
+    with pytest.raises(ValueError, match="no group recorded"):
+        c.node_split(2)

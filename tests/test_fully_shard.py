@@ -1,4 +1,4 @@
-"""zerokit.FullyShard (zerokit/fully_shard.py): ZeRO-3 as a module wrapper, any torch optimizer.
+"""zerokit.FullyShard (zerokit/fully_shard/): ZeRO-3 as a module wrapper, any torch optimizer.
 
 References are torch alone, run inside a one-rank zerokit launch (one intra-op thread, as
 each rank has: a matmul's rounding depends on the thread count):

@@ -68,12 +68,13 @@ PACKAGE = ROOT / "zerokit"
 COURSE_MODULES = {"adam", "ddp", "flat", "zero1", "zero2", "zero3", "mixed_precision", "activations", "offload",
                   "comm", "collectives", "memory", "models", "reference", "figures", "widgets",
                   # the lessons' stages in PyTorch's shapes (issue 24)
-                  "elementwise", "data_parallel", "fully_shard",
+                  "elementwise", "data_parallel",
                   "muon",  # lesson 09's reference
                   "train"}  # the capstone's script: the course's pieces in one training job
 # a lesson whose reference needs more than one file gets a package of its own (its __init__
 # is the reference, the rest are its parts)
-COURSE_PACKAGES = {"checkpoint"}
+COURSE_PACKAGES = {"checkpoint",
+                   "fully_shard"}  # FullyShard and fully_shard (__init__), sharding, reshard (hpZ), clip (issue 41)
 COURSE = COURSE_MODULES | COURSE_PACKAGES
 WINGS = {"launcher", "grading", "bench"}
 # The one exception: the capstone's script is a job, not a lesson's reference, and offers what a job's user asks

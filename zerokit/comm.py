@@ -4,6 +4,7 @@ r"""Counting what each collective moves, and what the ZeRO paper says it should 
         loss.backward(); opt.step()
     comm.volume()          # elements, in the paper's convention (below)
     comm.table()           # one row per collective kind
+    comm.node_split(2)     # {"intra": bytes, "inter": bytes}, nodes of 2 consecutive ranks
 
 How calls are seen: every `torch.distributed` collective reaches PyTorch's dispatcher as a
 `c10d::*` operator (`allreduce_`, `_reduce_scatter_base_`, ...). A TorchDispatchMode sees
@@ -20,7 +21,15 @@ Two conventions, both reported:
 - **sent**: bytes this rank puts on the wire in a ring implementation, volume * (N-1)/N.
   With N = 2 a rank sends half the volume; as N grows it approaches the volume.
 
-Both are computed from the calls. `WireCounter` measures instead: the bytes this process
+Both are computed from the calls, and each call keeps the group it ran on (`ranks`, the
+global ranks of its process group). So traffic splits by group, and by "node": with ranks laid
+out as nodes of `node_size` consecutive ranks (what torchrun gives, and lesson 11's 2 x 2),
+a collective whose group lies inside one node is intra-node and one whose group spans nodes is
+inter-node, its whole volume (`comm.node_split(2)`; `comm.volume("all_gather", group=node)`).
+That is the convention of ZeRO++'s count: ZeRO-3's $3\Psi$ all cross nodes on a flat group,
+and hpZ's backward all-gather inside a node takes $\Psi$ of them off the inter-node links.
+
+`WireCounter` measures instead: the bytes this process
 actually wrote to its sockets (Linux's /proc/self/io), which is what gloo's TCP transport
 really sent, whatever algorithm it chose. On gloo (torch 2.13) all-reduce and all-gather
 send exactly the ring figure, but torch's reduce-scatter sends as much as an all-reduce,
@@ -38,7 +47,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["CommCounter", "WireCounter", "CollectiveCall", "theory_volume", "trace_step", "reduce_scatter",
-           "all_gather"]
+           "all_gather", "group_ranks"]
 
 from .collectives import COMPOSITE  # noqa: E402  (zerokit.collectives' own, counted as one collective each)
 
@@ -57,6 +66,7 @@ class CollectiveCall:
     element_size: int
     world_size: int
     time: float | None = None  # when it was issued (CommCounter(clock=...)), else None
+    ranks: tuple | None = None  # the global ranks of the group it ran on (None: not known)
 
     @property
     def volume(self) -> int:
@@ -72,6 +82,12 @@ class CollectiveCall:
         """Bytes this rank sends in a ring implementation."""
         n = self.world_size
         return self.volume_bytes * (n - 1) / n if n > 1 else 0.0
+
+    def crosses_nodes(self, node_size: int) -> bool:
+        """Whether its group spans more than one node of node_size consecutive global ranks."""
+        if self.ranks is None:
+            raise ValueError(f"this {self.op} has no group recorded (ranks=None): it cannot be placed on nodes")
+        return len({r // node_size for r in self.ranks}) > 1
 
 
 def _tensors(x):
@@ -115,14 +131,54 @@ _FUNCTIONAL = {"all_reduce": "all_reduce", "all_reduce_coalesced": "all_reduce",
                "broadcast": "broadcast", "all_to_all_single": "all_to_all"}
 
 
-def _group_size(args):
+def _process_group(args):
+    """The process group among a c10d operator's arguments (None: the default group)."""
     for a in args:
         if type(a).__name__ == "ScriptObject":
             try:
-                return dist.ProcessGroup.unbox(a).size()
+                return dist.ProcessGroup.unbox(a)
             except Exception:  # not a process group (a ReduceOp)
                 continue
+    return None
+
+
+def _group_size(args):
+    group = _process_group(args)
+    if group is not None:
+        return group.size()
     return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def group_ranks(group=None):
+    """The global ranks of a process group (None: the default group), as a tuple; None where
+    torch does not know the group (it was not made by this process's dist.new_group)."""
+    if not dist.is_initialized():
+        return None
+    try:
+        return tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+    except (ValueError, RuntimeError, KeyError):
+        return None
+
+
+def _functional_group(args):
+    """The process group a functional collective (DTensor, FSDP2) names by its string name."""
+    name = next((a for a in args[1:] if isinstance(a, str)), None)
+    if name is None:
+        return None
+    try:
+        return dist.distributed_c10d._resolve_process_group(name)
+    except (ValueError, RuntimeError, KeyError):
+        return None
+
+
+def _ranks_of(group_like):
+    """A filter's ranks: a ProcessGroup, or a sequence of global ranks."""
+    if isinstance(group_like, (tuple, list, range)):
+        return tuple(group_like)
+    ranks = group_ranks(group_like)
+    if ranks is None:
+        raise ValueError(f"{group_like!r} is not a process group this process knows")
+    return ranks
 
 
 class CommCounter(TorchDispatchMode):
@@ -145,13 +201,16 @@ class CommCounter(TorchDispatchMode):
             if id(self) not in COMPOSITE.recorded_by:  # count the whole once, as what it stands for
                 op, sized_by, group_size = COMPOSITE.current
                 COMPOSITE.recorded_by.add(id(self))
+                # its parts (sends, receives, broadcasts) run on the group of the whole
                 self.calls.append(CollectiveCall(op, sized_by.numel(), sized_by.element_size(), group_size,
-                                                 self._now()))
+                                                 self._now(), group_ranks(_process_group(args))))
         elif ns == "c10d" and name in _C10D:
             op, idx = _C10D[name]
             if idx is not None:
                 numel, esize = _numel(args[idx])
-                self.calls.append(CollectiveCall(op, numel, esize, _group_size(args), self._now()))
+                group = _process_group(args)
+                self.calls.append(CollectiveCall(op, numel, esize, _group_size(args), self._now(),
+                                                 group_ranks(group)))
         elif ns == "_c10d_functional" and name in _FUNCTIONAL:
             op = _FUNCTIONAL[name]
             numel, esize = _numel(args[0])
@@ -159,7 +218,8 @@ class CommCounter(TorchDispatchMode):
                 dist.get_world_size() if dist.is_initialized() else 1)
             if op == "all_gather":
                 numel *= group_size  # the functional form takes the input shard
-            self.calls.append(CollectiveCall(op, numel, esize, group_size, self._now()))
+            self.calls.append(CollectiveCall(op, numel, esize, group_size, self._now(),
+                                             group_ranks(_functional_group(args))))
         return func(*args, **kwargs)
 
     def _now(self):
@@ -168,29 +228,53 @@ class CommCounter(TorchDispatchMode):
     def reset(self):
         self.calls.clear()
 
-    def volume(self, op=None) -> int:
-        """Total elements moved, paper convention (see module docstring)."""
-        return sum(c.volume for c in self.calls if op is None or c.op == op)
+    def _select(self, op, group):
+        ranks = None if group is None else _ranks_of(group)
+        return [c for c in self.calls if (op is None or c.op == op) and (ranks is None or c.ranks == ranks)]
 
-    def volume_bytes(self, op=None) -> int:
-        return sum(c.volume_bytes for c in self.calls if op is None or c.op == op)
+    def volume(self, op=None, group=None) -> int:
+        """Total elements moved, paper convention (see module docstring); group: only the calls
+        on that process group (a ProcessGroup, or its global ranks)."""
+        return sum(c.volume for c in self._select(op, group))
 
-    def sent_bytes(self, op=None) -> float:
-        return sum(c.sent_bytes for c in self.calls if op is None or c.op == op)
+    def volume_bytes(self, op=None, group=None) -> int:
+        return sum(c.volume_bytes for c in self._select(op, group))
 
-    def count(self, op=None) -> int:
-        return sum(1 for c in self.calls if op is None or c.op == op)
+    def sent_bytes(self, op=None, group=None) -> float:
+        return sum(c.sent_bytes for c in self._select(op, group))
+
+    def count(self, op=None, group=None) -> int:
+        return len(self._select(op, group))
 
     def table(self) -> dict:
         """{op: {"calls", "volume", "volume_bytes", "sent_bytes"}}"""
-        out = defaultdict(lambda: {"calls": 0, "volume": 0, "volume_bytes": 0, "sent_bytes": 0.0})
+        return _table(self.calls)
+
+    def by_group(self) -> dict:
+        """{global ranks of a group: table()} of the calls on that group."""
+        groups = defaultdict(list)
         for c in self.calls:
-            row = out[c.op]
-            row["calls"] += 1
-            row["volume"] += c.volume
-            row["volume_bytes"] += c.volume_bytes
-            row["sent_bytes"] += c.sent_bytes
-        return dict(out)
+            groups[c.ranks].append(c)
+        return {ranks: _table(calls) for ranks, calls in groups.items()}
+
+    def node_split(self, node_size: int, op=None) -> dict:
+        """{"intra": bytes, "inter": bytes}: the volume in bytes of the collectives whose group lies
+        inside one node of node_size consecutive global ranks, and of those whose group spans nodes."""
+        out = {"intra": 0, "inter": 0}
+        for c in self._select(op, None):
+            out["inter" if c.crosses_nodes(node_size) else "intra"] += c.volume_bytes
+        return out
+
+
+def _table(calls):
+    out = defaultdict(lambda: {"calls": 0, "volume": 0, "volume_bytes": 0, "sent_bytes": 0.0})
+    for c in calls:
+        row = out[c.op]
+        row["calls"] += 1
+        row["volume"] += c.volume
+        row["volume_bytes"] += c.volume_bytes
+        row["sent_bytes"] += c.sent_bytes
+    return dict(out)
 
 
 def trace_step(model, optimizer, batch, loss_fn):

@@ -16,7 +16,10 @@ while the current one computes: prefetching, in forward order during forward and
 reverse order during backward.
 
 Units. Each module that directly owns trainable parameters is a unit (pass `units=` to
-group differently, e.g. one unit per transformer block). A parameter owned by two
+group differently, e.g. one unit per transformer block; a list of modules in `units` is one
+unit of them all, FSDP2's `fully_shard([a, b])`: ZeRO3Adam gathers it before each of its
+modules' forwards and frees it after each, zerokit.FullyShard keeps it until the last). A
+parameter owned by two
 modules (tied weights) belongs to the root unit, the model itself, which stays gathered
 from the start of forward to the end of backward. A parameter must be used inside the
 forward of the module that owns it, as with PyTorch's FSDP. Frozen parameters are left
@@ -56,7 +59,7 @@ from .flat import FlatBucket
 from .zero2 import ZeRO2Adam, weak_hook
 
 __all__ = ["ZeRO3Adam", "ShardedParameters", "UnitState", "default_units", "unit_list", "assign_units",
-           "bucket_plan", "install_unit_hooks"]
+           "bucket_plan", "install_unit_hooks", "members"]
 
 
 class UnitState(Enum):
@@ -72,10 +75,18 @@ def default_units(model):
     return [m for m in model.modules() if any(p.requires_grad for p in m.parameters(recurse=False))]
 
 
+def members(unit):
+    """The modules of a unit: the unit itself, or each module of a group (a tuple of modules)."""
+    return unit if isinstance(unit, tuple) else (unit,)
+
+
 def unit_list(module, units=None):
     """The units ZeRO-3 gathers and frees: the model itself first (the root unit, which gets
-    every parameter no smaller unit owns alone), then `units` (default: default_units)."""
-    return [module] + [m for m in (units if units is not None else default_units(module)) if m is not module]
+    every parameter no smaller unit owns alone), then `units` (default: default_units); a list
+    of modules among them is one unit, kept as a tuple."""
+    units = units if units is not None else default_units(module)
+    units = [tuple(u) if isinstance(u, (list, tuple)) else u for u in units]
+    return [module] + [m for m in units if m is not module]
 
 
 def assign_units(units):
@@ -85,15 +96,16 @@ def assign_units(units):
     units[0] is the root: the model, which contains every other unit and stays gathered
     through backward.
     """
-    inside = [{id(m) for m in unit.modules()} for unit in units]
+    inside = [{id(m) for member in members(unit) for m in member.modules()} for unit in units]
     owners = {}
     for u, unit in enumerate(units):
-        for p in unit.parameters():
+        for p in dict.fromkeys(p for member in members(unit) for p in member.parameters()):
             owners.setdefault(p, []).append(u)
     unit_of = {}
     for p, us in owners.items():
         # drop every unit that contains another candidate: what is left is innermost
-        innermost = [u for u in us if not any(v != u and id(units[v]) in inside[u] for v in us)]
+        innermost = [u for u in us if not any(v != u and all(id(m) in inside[u] for m in members(units[v]))
+                                              for v in us)]
         unit_of[p] = innermost[0] if len(innermost) == 1 else 0
     return unit_of
 
@@ -115,10 +127,11 @@ def install_unit_hooks(opt):
     the order the units run in (the prefetch's guide), `_pre_forward` gathers the unit,
     `_post_forward` frees it and hooks its backward."""
     opt._order, opt._last_order = [], []  # units in the order this (the last) forward ran them
-    for u, m in enumerate(opt.units):
-        m.register_forward_pre_hook(partial(weak_hook(opt._record), u))  # runs first
-        m.register_forward_pre_hook(partial(weak_hook(opt._pre_forward), u))
-        m.register_forward_hook(partial(weak_hook(opt._post_forward), u))
+    for u, unit in enumerate(opt.units):
+        for m in members(unit):  # a group: every module of it (beyond the exercise)
+            m.register_forward_pre_hook(partial(weak_hook(opt._record), u))  # runs first
+            m.register_forward_pre_hook(partial(weak_hook(opt._pre_forward), u))
+            m.register_forward_hook(partial(weak_hook(opt._post_forward), u))
 
 
 class ShardedParameters(ZeRO2Adam):

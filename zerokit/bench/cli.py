@@ -8,7 +8,7 @@ import time
 import zerokit.bench
 
 from .runner import run
-from .systems import CONFIGS
+from .systems import CONFIGS, CONTROL_CONFIGS
 from .table import format_table
 from .workload import MODELS
 
@@ -31,6 +31,9 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=20, help="timed steps per configuration")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps before the instrumented one")
     p.add_argument("--configs", nargs="+", metavar="NAME", help=f"subset of {[c.name for c in CONFIGS]}")
+    p.add_argument("--fsdp-controls", action="store_true",
+                   help=f"FSDP2's controls, FSDP2 beside zerokit.FullyShard: {CONTROL_CONFIGS}")
+    p.add_argument("--node-size", type=int, help="ranks per node for the all-gather bytes inside and across nodes")
     p.add_argument("--launcher", choices=("forkserver", "torchrun"), default="forkserver")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds for the whole run")
     p.add_argument("--out", default="bench-results", help="folder for the JSON and the plot")
@@ -41,8 +44,10 @@ def main(argv=None):
                         "beside theory; bench-results/sweep.json and sweep.png (options: --sweep --help)")
     a = p.parse_args(argv)
     t0 = time.perf_counter()
-    summary = run(world_size=a.world_size, model=a.model, steps=a.steps, warmup=a.warmup, configs=a.configs,
+    configs = (a.configs or []) + (CONTROL_CONFIGS if a.fsdp_controls else [])
+    summary = run(world_size=a.world_size, model=a.model, steps=a.steps, warmup=a.warmup, configs=configs or None,
                   seed=a.seed, launcher=a.launcher, timeout=a.timeout, out_dir=a.out, make_plot=not a.no_plot,
+                  node_size=a.node_size,
                   dim=a.dim, n_layers=a.n_layers, vocab=a.vocab, seq_len=a.seq_len, batch=a.batch)
     print()
     print(format_table(summary))

@@ -13,22 +13,28 @@ from zerokit.widgets import progress
 
 from .plot import plot
 from .summary import summarize
-from .systems import CONFIGS
+from .systems import CONFIGS, DEFAULT_CONFIGS
 from .worker import worker
 from .workload import MODELS
 
 
 def run(world_size=2, model="small", steps=20, warmup=2, configs=None, seed=0,
-        launcher="forkserver", timeout=1800.0, out_dir="bench-results", make_plot=True, **model_overrides):
-    """Run the benchmark and write its files; returns the summary (also in the JSON)."""
+        launcher="forkserver", timeout=1800.0, out_dir="bench-results", make_plot=True, node_size=None,
+        **model_overrides):
+    """Run the benchmark and write its files; returns the summary (also in the JSON).
+
+    configs: names from systems.CONFIGS (default: DEFAULT_CONFIGS, the rows without an FSDP2
+    setting). node_size: ranks per "node" for the all-gather bytes inside and across nodes
+    (default 2 where N is even, else N)."""
     model_cfg = dict(MODELS[model], **{k: v for k, v in model_overrides.items() if v is not None})
     names = [c.name for c in CONFIGS]
-    configs = list(configs or names)
+    configs = list(configs or DEFAULT_CONFIGS)
     unknown = set(configs) - set(names)
     if unknown:
         raise ValueError(f"unknown configurations {sorted(unknown)}; choose from {names}")
+    node_size = node_size or (2 if world_size % 2 == 0 else world_size)
     opts = {"model": model_cfg, "model_name": model, "steps": steps, "warmup": warmup, "configs": configs,
-            "chunk": 2, "seed": seed}
+            "chunk": 2, "seed": seed, "node_size": node_size}
     t0, load_before = time.perf_counter(), os.getloadavg()
     bar = progress(total=len(configs), desc="bench")
 

@@ -10,6 +10,7 @@ global batch).
 import gc
 import resource
 import time
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -18,9 +19,9 @@ from zerokit.comm import WireCounter
 
 from .accounting import Instrument, allocated_bytes
 from .floor import Floor
-from .systems import build
+from .systems import build, micro_batches
 from .timing import sync
-from .workload import eval_batch, loss_of, rank_batch, train_step
+from .workload import accumulate_step, eval_batch, loss_of, rank_batch, train_step
 
 
 def _minor_faults():
@@ -35,6 +36,8 @@ class Run:
         gc.collect()
         self.baseline = allocated_bytes(device)  # what the process held before this config
         self.model, self.opt = build(config, opts["model"], device, opts["seed"])
+        micro = micro_batches(config)
+        self.train_step = train_step if micro == 1 else partial(accumulate_step, micro=micro)
         self.step, self.losses, self.times, self.cpu_times, self.faults = 0, [], [], [], []
 
     def batch(self):
@@ -46,7 +49,7 @@ class Run:
             dist.barrier()
             sync(self.device)
         t0, c0, f0 = time.perf_counter(), time.process_time(), _minor_faults()
-        loss = train_step(self.model, self.opt, x, y, self.opts["model"])
+        loss = self.train_step(self.model, self.opt, x, y, self.opts["model"])
         sync(self.device)
         if timed:
             self.times.append(time.perf_counter() - t0)
@@ -63,7 +66,7 @@ class Run:
         x, y = self.batch()
         self.inst = Instrument(self.model, self.opt, self.device, self.baseline)
         with WireCounter() as self.wire, self.inst:
-            loss = train_step(self.model, self.opt, x, y, self.opts["model"])
+            loss = self.train_step(self.model, self.opt, x, y, self.opts["model"])
         self.losses.append(loss.item())
         self.step += 1
 
@@ -81,7 +84,9 @@ class Run:
             "final_loss": final,
             "memory": {**inst.peak, "samples": inst.samples, "at_peak": inst.at_peak},
             "comm": {"table": inst.table(), "volume_bytes": inst.volume_bytes(), "sent_bytes": inst.sent_bytes(),
-                     "calls": inst.count(), "wire_bytes": self.wire.sent_bytes},
+                     "calls": inst.count(), "wire_bytes": self.wire.sent_bytes,
+                     # all-gather volume inside and across "nodes" of node_size consecutive ranks
+                     "all_gather_nodes": inst.node_split(self.opts["node_size"], "all_gather")},
         }
 
 

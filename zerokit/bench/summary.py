@@ -18,7 +18,7 @@ from zerokit.comm import theory_volume
 
 from .accounting import MODEL_STATE
 from .stages import STAGES
-from .systems import BASELINE, CONFIGS, DDP_OPTIONS, SYSTEMS, ZERO_REDUNDANCY_OPTIONS
+from .systems import BASELINE, CONFIGS, DDP_OPTIONS, FULLY_SHARD_SETTINGS, SYSTEMS, ZERO_REDUNDANCY_OPTIONS
 from .workload import HYPER
 
 
@@ -28,6 +28,17 @@ def quartiles(values):
         return (values[0], values[0]) if values else (float("nan"), float("nan"))
     q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
     return (q1, q3)
+
+
+def _theory_volume(cfg, psi):
+    """Elements per rank per step: the stage's (zerokit.comm.theory_volume), and for an FSDP2
+    setting its own: no backward all-gather when nothing is resharded (2 Psi), and under
+    no-sync k gathers of 2 Psi with one reduce-scatter."""
+    setting = FULLY_SHARD_SETTINGS.get(cfg.setting, {})
+    if setting.get("reshard_after_forward") is False:
+        return 2 * psi
+    micro = setting.get("micro_batches", 1)
+    return theory_volume(cfg.stage, psi, micro_batches=micro, no_sync=micro > 1)
 
 
 def summarize(per_rank, opts, world_size):
@@ -50,7 +61,7 @@ def summarize(per_rank, opts, world_size):
         steps = [max(t) for t in zip(*(r["step_times_s"] for r in ranks))]
         med = statistics.median(steps) if steps else float("nan")
         train = [statistics.mean(v) for v in zip(*(r["train_losses"] for r in ranks))]
-        theory = theory_volume(cfg.stage, psi) * 4  # fp32 bytes
+        theory = _theory_volume(cfg, psi) * 4  # fp32 bytes
         configs.append({
             **asdict(cfg),
             "step_time_s": {"median": med, "min": min(steps, default=med), "max": max(steps, default=med),
@@ -74,7 +85,9 @@ def summarize(per_rank, opts, world_size):
                      "wire_bytes": max((r["comm"]["wire_bytes"] or 0 for r in ranks), default=0) or None,
                      "theory_volume_bytes": theory,
                      "vs_theory": max(r["comm"]["volume_bytes"] for r in ranks) / theory,
-                     "calls": ranks[0]["comm"]["calls"], "by_op": ranks[0]["comm"]["table"]},
+                     "calls": ranks[0]["comm"]["calls"], "by_op": ranks[0]["comm"]["table"],
+                     "all_gather_nodes": {k: max(r["comm"]["all_gather_nodes"][k] for r in ranks)
+                                          for k in ("intra", "inter")}},
             "loss": {"final": ranks[0]["final_loss"], "train": train},
         })
     base = next((c for c in configs if c["name"] == BASELINE), configs[0] if configs else None)
@@ -84,12 +97,16 @@ def summarize(per_rank, opts, world_size):
         c["loss"]["max_train_diff"] = max((abs(a - b) for a, b in zip(c["loss"]["train"], base["loss"]["train"])),
                                           default=0.0)
     ratios = []
-    for stage, system in ((stage, system) for system in SYSTEMS for stage in STAGES):
-        zk = next((c for c in configs if c["stage"] == stage and c["system"] == system), None)
-        peer = next((c for c in configs if c["stage"] == stage and c["system"] == "torch"), None)
+    settings = [""] + list(FULLY_SHARD_SETTINGS)
+    for stage, system, setting in ((st, sy, se) for se in settings for sy in SYSTEMS for st in STAGES):
+        def find(system):
+            return next((c for c in configs if c["stage"] == stage and c["system"] == system
+                         and c["setting"] == setting), None)
+
+        zk, peer = find(system), find("torch")
         if zk and peer:
             ratios.append({
-                "stage": stage, "zerokit": zk["name"], "peer": peer["name"],
+                "stage": stage, "zerokit": zk["name"], "peer": peer["name"], "setting": setting,
                 "time": zk["step_time_s"]["median"] / peer["step_time_s"]["median"],
                 "memory": zk["memory_peak"]["total"] / max(peer["memory_peak"]["total"], 1),
                 "model_state": sum(zk["memory_peak"][k] for k in MODEL_STATE)
@@ -106,7 +123,7 @@ def summarize(per_rank, opts, world_size):
         "model": {"name": opts["model_name"], **model_cfg, "parameters": psi,
                   "global_batch": model_cfg["batch"] * n},
         "steps": opts["steps"], "warmup": opts["warmup"], "chunk": opts["chunk"], "seed": opts["seed"],
-        "hyperparameters": HYPER,
+        "hyperparameters": HYPER, "node_size": opts["node_size"],
         "peer_options": {"ddp": DDP_OPTIONS, "zero_redundancy_optimizer": ZERO_REDUNDANCY_OPTIONS},
         "units": ("FSDP2: one fully_shard per block, then the root; ZeRO3Adam: the same units; "
                   "ZeRO2Adam: gradient buckets of two blocks' size; ZeRO1Adam and DataParallel: of half the model's"),

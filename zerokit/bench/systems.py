@@ -15,6 +15,19 @@ zerokit in PyTorch's shape (a module wrapper or the optimizer a user brings, wit
 | zero2 | `zerokit.ZeRO2(params, torch.optim.AdamW, bucket_mb=two blocks)` |
 | zero3 | `zerokit.FullyShard(model, units=blocks)` + `torch.optim.AdamW` |
 
+Beyond the default rows, FSDP2's controls (issue 41), each run by FSDP2 and by zerokit.FullyShard
+with the same setting, one fully_shard per block and the root (`--fsdp-controls`, or by name):
+
+| setting | both systems |
+|---|---|
+| `raf-true` | `reshard_after_forward=True` on every unit, the root too |
+| `raf-false` | `reshard_after_forward=False`: no all-gather in backward |
+| `hpz2` | `reshard_after_forward=2`: after forward, a secondary shard over 2 ranks (hpZ) |
+| `nosync` | the default policy, and each step two half-batches, the first with gradient sync off |
+
+(The default rows, `torch-zero3` and `wrapper-zero3`, are `reshard_after_forward=None`: True for
+the blocks, False for the root.)
+
 FSDP2 wraps each transformer block, then the root (embeddings, final norm, head); zerokit
 gets the same granularity for ZeRO-3: its units are the blocks (the root unit keeps the rest).
 ZeRO-2's gradient buckets are two blocks, each reduce-scattered as soon as backward completes
@@ -55,6 +68,16 @@ class Config:
     stage: str  # ddp, zero1, zero2, zero3
     system: str  # "torch", "zerokit" (the lesson's class) or "wrapper" (zerokit in PyTorch's shape)
     label: str
+    setting: str = ""  # one of FULLY_SHARD_SETTINGS (zero3 only), run by both systems of its row
+
+
+# FSDP2's controls: reshard_after_forward for both systems, or (micro) half-batches under no-sync
+FULLY_SHARD_SETTINGS = {
+    "raf-true": {"reshard_after_forward": True},
+    "raf-false": {"reshard_after_forward": False},
+    "hpz2": {"reshard_after_forward": 2},
+    "nosync": {"micro_batches": 2},
+}
 
 
 CONFIGS = [
@@ -70,7 +93,10 @@ CONFIGS = [
     Config("wrapper-zero1", "zero1", "wrapper", "zerokit ZeRO1(AdamW)"),
     Config("wrapper-zero2", "zero2", "wrapper", "zerokit ZeRO2(AdamW)"),
     Config("wrapper-zero3", "zero3", "wrapper", "zerokit FullyShard + AdamW"),
-]
+] + [Config(f"{system}-zero3-{setting}", "zero3", system, f"{who} {setting} + AdamW", setting)
+     for setting in FULLY_SHARD_SETTINGS for system, who in (("torch", "FSDP2"), ("wrapper", "FullyShard"))]
+DEFAULT_CONFIGS = [c.name for c in CONFIGS if not c.setting]  # what a plain `make bench` runs
+CONTROL_CONFIGS = ["torch-zero3", "wrapper-zero3"] + [c.name for c in CONFIGS if c.setting]  # --fsdp-controls
 SYSTEMS = ("zerokit", "wrapper")  # each compared with the "torch" configuration of its stage
 BASELINE = "torch-ddp"  # the loss every other configuration is compared with
 
@@ -88,10 +114,11 @@ def build(config, model_cfg, device, seed):
     bucket_mib = bucket_size(config.stage, model)
     if config.system == "zerokit":
         return model, make_optimizer(config.stage, model, bucket_mb=bucket_mib, units=list(model.blocks), **HYPER)
+    reshard = FULLY_SHARD_SETTINGS.get(config.setting, {}).get("reshard_after_forward")
     if config.system == "torch":
-        return _torch_peer(config.stage, model, device)
+        return _torch_peer(config.stage, model, device, reshard)
     if config.system == "wrapper":
-        return _wrapper(config.stage, model, bucket_mib)
+        return _wrapper(config.stage, model, bucket_mib, reshard)
     raise ValueError(f"unknown system {config.system!r} in configuration {config.name!r}")
 
 
@@ -105,7 +132,12 @@ def bucket_size(stage, model):
     return (2 if stage == "zero2" else 1) * mib(model.blocks[0].parameters())
 
 
-def _torch_peer(stage, model, device):
+def micro_batches(config):
+    """Backward passes per step: 2 half-batches for the no-sync rows, else 1."""
+    return FULLY_SHARD_SETTINGS.get(config.setting, {}).get("micro_batches", 1)
+
+
+def _torch_peer(stage, model, device, reshard=None):
     ddp_kw = dict(DDP_OPTIONS, device_ids=[device.index] if device.type == "cuda" else None)
     if stage == "ddp":
         model = DDP(model, **ddp_kw)
@@ -118,7 +150,7 @@ def _torch_peer(stage, model, device):
         # zero2: nothing resharded after forward (one all-gather per step, like ZeRO-2's
         # all-gather of updated weights); zero3: FSDP2's default, blocks reshard after
         # forward and are gathered again for backward, the root stays gathered.
-        reshard = False if stage == "zero2" else None
+        reshard = False if stage == "zero2" else reshard
         for block in model.blocks:
             fully_shard(block, reshard_after_forward=reshard)
         fully_shard(model, reshard_after_forward=reshard)
@@ -126,7 +158,7 @@ def _torch_peer(stage, model, device):
     raise ValueError(f"unknown stage {stage!r}")
 
 
-def _wrapper(stage, model, bucket_mib):
+def _wrapper(stage, model, bucket_mib, reshard=None):
     """zerokit in PyTorch's shape, with torch's own AdamW, at the same granularity as above."""
     import zerokit
 
@@ -138,6 +170,6 @@ def _wrapper(stage, model, bucket_mib):
     if stage == "zero2":
         return model, zerokit.ZeRO2(model.parameters(), torch.optim.AdamW, bucket_mb=bucket_mib, **HYPER)
     if stage == "zero3":
-        model = zerokit.FullyShard(model, units=list(model.blocks))
+        model = zerokit.FullyShard(model, units=list(model.blocks), reshard_after_forward=reshard)
         return model, torch.optim.AdamW(model.parameters(), **HYPER)
     raise ValueError(f"unknown stage {stage!r}")

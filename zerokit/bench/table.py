@@ -44,10 +44,16 @@ def format_table(summary) -> str:
         f"{f['update_s'] * 1e3:5.1f} ms + {' + '.join(f['collectives'])} {f['comm_s'] * 1e3:6.1f} ms "
         f"= {f['total_s'] * 1e3:6.1f} ms (p25-p75 {spread(f['total_quartiles_s'])})"
         for stage, f in summary["floors"].items()]
-    lines += ["", f"{'zerokit / PyTorch peer':32s} {'stage':5s} {'time':>6s} {'peak mem':>8s} "
+    if any(c["setting"] for c in configs):  # FSDP2's controls: where the all-gathers ran
+        k = meta["node_size"]
+        lines += ["", f"{'all-gather MiB per step':32s} {'inside a node of ' + str(k):>18s} {'across nodes':>13s}"]
+        lines += [f"{c['label']:32s} {mib(c['comm']['all_gather_nodes']['intra']):18.2f} "
+                  f"{mib(c['comm']['all_gather_nodes']['inter']):13.2f}" for c in configs if c["stage"] == "zero3"]
+    width = max([32] + [len(r["zerokit"] + " / " + r["peer"]) for r in summary["ratios"]])
+    lines += ["", f"{'zerokit / PyTorch peer':{width}s} {'stage':5s} {'time':>6s} {'peak mem':>8s} "
                   f"{'model state':>11s} {'comm':>6s}"]
     for r in summary["ratios"]:
-        lines.append(f"{r['zerokit'] + ' / ' + r['peer']:32s} {r['stage']:5s} {r['time']:6.2f} {r['memory']:8.2f} "
+        lines.append(f"{r['zerokit'] + ' / ' + r['peer']:{width}s} {r['stage']:5s} {r['time']:6.2f} {r['memory']:8.2f} "
                      f"{r['model_state']:11.2f} {'n/a' if r['comm'] is None else format(r['comm'], '.2f'):>6s}")
     lines += [
         "",

@@ -94,3 +94,19 @@ def train_step(model, opt, x, y, model_cfg=None):
     opt.step()
     opt.zero_grad(set_to_none=True)
     return loss.detach()
+
+
+def accumulate_step(model, opt, x, y, model_cfg=None, micro=2):
+    """train_step's gradient in `micro` equal slices of the rank's batch, all but the last with
+    gradient sync off (model.set_requires_gradient_sync: FSDP2 and zerokit.FullyShard): the
+    mean of the slices' mean losses is the batch's, so the loss matches the other rows."""
+    xs, ys = x.chunk(micro), y.chunk(micro)
+    losses = []
+    for k, (xk, yk) in enumerate(zip(xs, ys)):
+        model.set_requires_gradient_sync(k == micro - 1)
+        loss = loss_for(kind(model_cfg or {}), model(xk), yk)
+        (loss / micro).backward()
+        losses.append(loss.detach())
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return sum(losses) / micro
