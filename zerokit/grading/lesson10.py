@@ -12,7 +12,9 @@ r"""Checks for lesson 10 (the capstone): the training loop, assembled from the c
                                                  raised on every rank as the step after `stop` begins),
                                                  resumed from its last checkpoint on another world size,
                                                  continues exactly where an uninterrupted run of the same
-                                                 loop goes (within 1e-5 relative per step)
+                                                 loop goes (within 1e-5 relative per step); each step<k>
+                                                 saved after k optimizer steps, and, rank 0 held 0.3 s in
+                                                 each save, no rank going on before its train.json exists
 
 The student's loop is `train_loop(rank, world_size, cfg, model, opt, text) -> {step: loss}`: cfg is
 what `zerokit.train.parse_args` gives (batch, accum, seq_len, seed, steps, clip, checkpoint_every,
@@ -24,7 +26,10 @@ One bug costs one check. The losses cannot see which rank ran which sequences: e
 the whole batch gives the same mean gradient (N times the work), so check_data looks at the
 sequences themselves. check_losses runs without checkpoints; check_resume compares the student's loop
 with itself (uninterrupted against killed and resumed), so a loop that trains wrongly but resumes
-exactly loses only check_losses. check_losses uses torch.optim.SGD (momentum) as well as AdamW:
+exactly loses only check_losses; and check_resume names only what it measured: how many optimizer steps
+were done at each save (zerokit.checkpoint.save and load are watched), whether the resumed run loaded,
+which batch it began with, and, only when the resume is not exact, whether the loop run uninterrupted
+gives the same losses on both world sizes. check_losses uses torch.optim.SGD (momentum) as well as AdamW:
 Adam's update is blind to the gradient's scale (m / sqrt(v)), so a loss not divided by the number of
 micro-batches trains AdamW the same to within 1e-6 and only an optimizer that reads the scale shows it.
 """
@@ -480,7 +485,9 @@ def check_resume(loop, stage=3, world_size=2, resume_world_size=1, every=3, stop
     """A run of loop on world_size ranks saving every `every` steps (cfg.steps = steps) is killed as the step after
     `stop` begins (every rank raises in its first forward, before any collective of that step); resumed (cfg.resume)
     on resume_world_size ranks it must start after its last checkpoint and give, at every step to `steps`, the
-    losses of an uninterrupted run of the same loop (within 1e-5 relative). AdamW, fp32."""
+    losses of an uninterrupted run of the same loop (within 1e-5 relative). AdamW, fp32. Each step<k> must be
+    saved after k optimizer steps, and with rank 0 held SLOW_RANK0 s in each save, no rank may begin its next
+    step, or return, before that checkpoint's train.json exists."""
     __tracebackhide__ = True
     if not callable(loop):
         raise CheckFailed(f"expected your function train_loop(rank, world_size, cfg, model, opt, text), got "
