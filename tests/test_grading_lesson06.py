@@ -8,6 +8,7 @@ with a message naming the problem, and pass the others: one bug costs its own po
 |---|---|---|
 | unscale multiplies by the scale | unscale | "times the scale" |
 | unscale divides in fp16, then converts | unscale | "divided in float16" |
+| unscale divides fp32 gradients in place (example) | unscale | "you were given changed" |
 | update() says step on an overflow | overflow | "returned True (step) on every rank" |
 | overflow checked locally (no all-reduce) | overflow | "agreed across ranks" |
 | no backoff on an overflow | schedule | "backoff_factor" |
@@ -99,6 +100,14 @@ class DividesInHalf(Scaler):
     def unscale(self, grads):
         out = super().unscale(grads)
         return [(g / self.scale).float() for g in grads]  # BUG: rounded in the 16-bit type
+
+
+class UnscalesInPlace(Scaler):
+    @torch.no_grad()
+    def unscale(self, grads):
+        out = super().unscale(grads)
+        # BUG: t.float() of an fp32 t is t itself; dividing it in place divides the caller's gradient
+        return [g.div_(self.scale) if g.dtype == torch.float32 else o for g, o in zip(grads, out)]
 
 
 class StepsOnOverflow(Scaler):
@@ -245,6 +254,7 @@ class SkipCountedElsewhere(Optimizer):
 DEFECTS = {  # class -> {check that must fail: message fragment}; the exercise's other checks must pass
     MultipliesByScale: {"unscale": "times the scale"},
     DividesInHalf: {"unscale": "divided in float16"},
+    UnscalesInPlace: {"unscale": "you were given changed"},
     StepsOnOverflow: {"overflow": "returned True (step) on every rank"},
     LocalOverflow: {"overflow": "agreed across ranks"},
     NoBackoff: {"schedule": "backoff_factor"},

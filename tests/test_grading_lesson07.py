@@ -20,6 +20,8 @@ names the problem, and pass the others: one bug costs its own points only.
 | (c) consolidate | keeps each bucket's padding | consolidate | "differs from the saved weights" |
 | (c) | a tied weight copied | consolidate | "is a copy of" |
 | (c) | every rank file read whole first | memory | "peak memory" |
+| (c) | each rank's shard of a bucket read whole, then cut (example) | memory (ZeRO-1 on one rank: a shard is the model) | "Something that size was held" |
+| (c) | a frozen parameter kept in its saved 16-bit dtype (example) | consolidate (a bf16 job's checkpoint) | "a plain fp32 state_dict" |
 | (c) | hands the work to zerokit's consolidate | consolidate, memory | "zerokit's own" |
 | answers | one wrong number; the stub | answers | "not right yet", "NotImplementedError" |
 | the untouched student notebook | | every check | "NotImplementedError" |
@@ -69,8 +71,8 @@ SAVE_CHECKS = {
 }
 RESHARD_CHECKS = {"reshard": lambda fn: lesson07.check_reshard_map(fn, world_size=2, load_world_size=3)}
 CONSOLIDATE_CHECKS = {
-    "consolidate": lambda fn: lesson07.check_consolidate(fn, world_size=2, model="edge"),
-    "memory": lambda fn: lesson07.check_consolidate_memory(fn, world_size=2),
+    "consolidate": lambda fn: lesson07.check_consolidate(fn, world_size=2, model="edge", precision="bf16"),
+    "memory": lambda fn: lesson07.check_consolidate_memory(fn, world_size=1, stage="zero1"),
 }
 
 
@@ -226,20 +228,24 @@ READS_EVERYTHING_FIRST = '''def consolidate(path):
 CALLS_ZEROKIT_CONSOLIDATE = '''def consolidate(path):
     return ckpt.consolidate(path)
 '''
-KeepsPadding, DuplicatesTied, ReadsEverythingFirst, CallsZerokitConsolidate = _defects(
-    [examples.KEEPS_PADDING, examples._duplicates_tied(_solution("consolidate")),
-     READS_EVERYTHING_FIRST, CALLS_ZEROKIT_CONSOLIDATE], "consolidate")
+KeepsPadding, DuplicatesTied, ReadsEverythingFirst, CallsZerokitConsolidate, KeepsSavedDtype, ReadsWholeShards = \
+    _defects([examples.KEEPS_PADDING, examples._duplicates_tied(_solution("consolidate")), READS_EVERYTHING_FIRST,
+              CALLS_ZEROKIT_CONSOLIDATE, examples.KEEPS_SAVED_DTYPE(_solution("consolidate")),
+              examples.READS_WHOLE_SHARDS], "consolidate")
 
 CONSOLIDATE_DEFECTS = [
     (KeepsPadding, {"consolidate": "differs from the saved weights"}),
     (DuplicatesTied, {"consolidate": "is a copy of"}),
     (ReadsEverythingFirst, {"memory": "peak memory"}),
+    (KeepsSavedDtype, {"consolidate": "a plain fp32 state_dict"}),
+    (ReadsWholeShards, {"memory": "Something that size was held"}),
     (CallsZerokitConsolidate, {"consolidate": "zerokit's own", "memory": "zerokit's own"}),
 ]
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("fn, expected", CONSOLIDATE_DEFECTS, ids=["padding", "tied", "everything", "zerokit"])
+@pytest.mark.parametrize("fn, expected", CONSOLIDATE_DEFECTS,
+                         ids=["padding", "tied", "everything", "zerokit", "saved_dtype", "whole_shards"])
 def test_consolidate_defects_fail_exactly_their_checks(fn, expected, capsys):
     fails_exactly(CONSOLIDATE_CHECKS, fn, expected, capsys)
 
@@ -250,9 +256,10 @@ def test_the_consolidation_memory_reason_and_its_pass_state_the_same_limit(capsy
     (the ✓ once printed the largest parameter alone as "limit")."""
     import re
 
-    lesson07.check_consolidate_memory(SOLUTION.consolidate, world_size=2)
+    lesson07.check_consolidate_memory(SOLUTION.consolidate, world_size=1, stage="zero1")
     said = capsys.readouterr().out
-    reason = fails(lesson07.check_consolidate_memory, ReadsEverythingFirst, world_size=2, match="over the limit")
+    reason = fails(lesson07.check_consolidate_memory, ReadsEverythingFirst, world_size=1, stage="zero1",
+                   match="over the limit")
     limits = [re.search(r"the limit ([\d.]+) MiB = the output \(deep-mlp's state_dict, ([\d.]+) MiB\) \+ the largest "
                         r"parameter \(([\d.]+) MiB\)", text) for text in (said, reason)]
     assert all(limits), (said, reason)
@@ -295,3 +302,17 @@ def test_hidden_configurations_catch_the_same_bugs():
           match="differs from the saved weights")
     fails(lesson07.check_consolidate, DuplicatesTied, world_size=3, model="edge", stage="zero2",
           match="is a copy of")
+
+
+@pytest.mark.timeout(90)
+def test_what_the_fp32_and_the_sharded_fixtures_cannot_see():
+    """Why the visible consolidate check uses a bf16 job's checkpoint: in an fp32 checkpoint a frozen
+    parameter's saved dtype is fp32 already (and the memory check ZeRO-1 on one rank: under ZeRO-3 on
+    2 ranks, the old setting, no shard is larger than deep-mlp's largest parameter, which the rule
+    allows besides the output; measured 5.7 MiB against a limit of 6.9). The hidden settings (fp16 at
+    N = 3; ZeRO-3 on one rank, whose rank file is the whole model) catch them too."""
+    lesson07.check_consolidate(KeepsSavedDtype, world_size=2, model="edge")
+    fails(lesson07.check_consolidate, KeepsSavedDtype, world_size=3, model="edge", stage="zero1", precision="fp16",
+          match="is torch.float16, the dtype the checkpoint holds it in")
+    fails(lesson07.check_consolidate_memory, ReadsEverythingFirst, world_size=1, stage="zero3",
+          match="over the limit")

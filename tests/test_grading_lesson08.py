@@ -45,6 +45,9 @@ DEFECTS = {
     "double_counts_views": ("count", "            storages[s.data_ptr()] = s.nbytes()",
                             "            storages[len(storages)] = s.nbytes()",
                             {"saved_views": "a storage costs its bytes once"}),
+    "counts_by_view_shape": ("count", "            storages[s.data_ptr()] = s.nbytes()",
+                             "            storages[(s.data_ptr(), tuple(t.shape))] = s.nbytes()",
+                             {"saved_views": "counted once per shape"}),
     "recompute_on_freed_parameters": (
         "hooks", "            self._gather_unit(u)\n            return",
         "            return  # the pre-backward hook gathered it already?",

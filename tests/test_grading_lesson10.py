@@ -12,9 +12,14 @@ problem, and pass the others.
 | every rank runs the whole batch (example) | data | "whole global batch" |
 | resumes at the checkpoint's step + 1 (example) | resume | "after the checkpoint" |
 | loads the checkpoint, starts the data at 0 (example) | resume | "started again at step 0" |
-| saves before the optimizer step (example) | resume | "resume is not exact" |
+| saves before the optimizer step (example) | resume | "was saved when your loop had made 2 optimizer steps" |
+| no barrier after the save (example) | resume (rank 0 held in its save) | "had no train.json yet" |
+| clips with torch's clip_grad_norm_ on this rank's gradient (example) | losses (stage 1, clip) | "clipped by its own norm" |
+| clips with torch's clip_grad_norm_ at stage 2 (nothing to clip) | losses (stage 2, clip) | "finds nothing to clip" |
+| never loads the checkpoint it found | resume | "never called zerokit.checkpoint.load" |
+| overlapping slices, or a loss not all-reduced | resume (besides losses, data) | "depend on the number of ranks" |
 | reports this rank's loss, not the global batch's | losses | "share of the batch" |
-| never clips | losses (with clip) | "did not clip" |
+| never clips | losses (with clip) | "unclipped" |
 | checkpoints without their data position (train.json) | resume | "no data position" |
 | a checkpoint only when the run finishes (the killed job has none) | resume | "no checkpoint" |
 | calls zerokit.train's own train | every check | "zerokit.train's own train" |
@@ -51,8 +56,13 @@ SOLUTION = exercise_module("10_capstone", "solutions", ["train_loop"], PRELUDE)
 STUDENT = exercise_module("10_capstone", "lessons", ["train_loop"], PRELUDE)
 SOLUTION_SOURCE = _solution_sources("10_capstone")["train_loop"]  # the solution cell, markers removed
 
+def _visible_losses(loop):
+    lesson10.check_losses(loop, stage=1, world_size=2, optimizer="sgd")
+    lesson10.check_losses(loop, stage=1, world_size=2, optimizer="sgd", clip=0.5)
+
+
 CHECKS = {  # the visible tests
-    "losses": lambda loop: lesson10.check_losses(loop, stage=1, world_size=2, optimizer="sgd"),
+    "losses": _visible_losses,
     "data": lambda loop: lesson10.check_data(loop, stage=1, world_size=2),
     "resume": lambda loop: lesson10.check_resume(loop, stage=3, world_size=2, resume_world_size=1),
 }
@@ -71,7 +81,7 @@ def test_the_solution_passes_every_check_and_the_hidden_settings(capsys):
     lesson10.check_losses(SOLUTION.train_loop, stage=3, world_size=2, optimizer="sgd", clip=0.5)
     lesson10.check_losses(SOLUTION.train_loop, stage=0, world_size=3, optimizer="sgd")
     lesson10.check_losses(SOLUTION.train_loop, stage=2, world_size=2, optimizer="adamw")
-    assert capsys.readouterr().out.count("✓") == 6
+    assert capsys.readouterr().out.count("✓") == 7
 
 
 @pytest.mark.timeout(120)
@@ -90,7 +100,9 @@ def test_untouched_student_notebook_fails_every_check():
     ("whole_batch", examples.WHOLE_BATCH, {"data": "whole global batch"}),
     ("resume_plus_one", examples.RESUME_PLUS_ONE, {"resume": "after the checkpoint"}),
     ("resume_at_zero", examples.RESUME_AT_ZERO, {"resume": "started again at step 0"}),
-    ("saves_before_step", examples.SAVES_BEFORE_STEP, {"resume": "resume is not exact"}),
+    ("saves_before_step", examples.SAVES_BEFORE_STEP, {"resume": "was saved when your loop had made 2 optimizer"}),
+    ("no_barrier", examples.NO_BARRIER, {"resume": "had no train.json yet"}),
+    ("torch_clip", examples.TORCH_CLIP, {"losses": "clipped by its own norm"}),
 ])
 def test_example_defects_fail_exactly_their_checks(name, edit, expected, capsys):
     fails_exactly(CHECKS, _loop(name, edit), expected, capsys)
@@ -108,6 +120,11 @@ def test_adamw_hides_the_missing_division_and_sgd_does_not(capsys):
 
 LOCAL_LOSS = "        dist.all_reduce(total)\n", "        # BUG: this rank's loss only\n        total *= world_size\n"
 NO_CLIP = "            clip_(cfg, model, opt)\n", "            pass  # BUG: never clips\n"
+TORCH_CLIP = ("            clip_(cfg, model, opt)\n",
+              "            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)  # BUG: what this rank holds\n")
+NO_LOAD = "            zerokit.checkpoint.load(found, model, opt)\n", "            pass  # BUG: the checkpoint is found, not loaded\n"
+OVERLAP = ("    rows = slice(rank * per_rank, (rank + 1) * per_rank)\n",
+           "    rows = slice(0, per_rank)  # BUG: every rank the first slice\n")
 NO_POSITION = ('                (path / "train.json").write_text(json.dumps({"step": step + 1}))\n',
                "                pass  # BUG: no data position\n")
 AT_THE_END = ("        if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:\n",
@@ -129,7 +146,15 @@ def _edited(old, new):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("name, edit, check, kw, match", [
     ("local_loss", _edited(*LOCAL_LOSS), lesson10.check_losses, dict(stage=1, world_size=2), "share of the batch"),
-    ("no_clip", _edited(*NO_CLIP), lesson10.check_losses, dict(stage=3, world_size=2, clip=0.5), "did not clip"),
+    ("no_clip", _edited(*NO_CLIP), lesson10.check_losses, dict(stage=3, world_size=2, clip=0.5), "unclipped"),
+    ("torch_clip_zero2", _edited(*TORCH_CLIP), lesson10.check_losses, dict(stage=2, world_size=2, clip=0.5),
+     "finds nothing to clip"),
+    ("no_load", _edited(*NO_LOAD), lesson10.check_resume, dict(stage=3, world_size=2),
+     "never called zerokit.checkpoint.load"),
+    ("local_loss_resume", _edited(*LOCAL_LOSS), lesson10.check_resume, dict(stage=3, world_size=2),
+     "depend on the number of ranks"),
+    ("overlap_resume", _edited(*OVERLAP), lesson10.check_resume, dict(stage=3, world_size=2),
+     "depend on the number of ranks"),
     ("no_position", _edited(*NO_POSITION), lesson10.check_resume, dict(stage=3, world_size=2), "no data position"),
     ("at_the_end", _edited(*AT_THE_END), lesson10.check_resume, dict(stage=2, world_size=2), "no checkpoint"),
     ("zerokit_train", ZEROKIT_TRAIN, lesson10.check_losses, dict(stage=1, world_size=2), "zerokit.train's own train"),
@@ -147,3 +172,7 @@ def test_the_hidden_situations_catch_them_too():
           match="whole global batch")
     fails(lesson10.check_resume, _loop("plus3", examples.RESUME_PLUS_ONE), stage=1, world_size=3,
           resume_world_size=2, match="after the checkpoint")
+    fails(lesson10.check_resume, _loop("nobarrier3", examples.NO_BARRIER), stage=1, world_size=3,
+          resume_world_size=2, match="had no train.json yet")
+    fails(lesson10.check_losses, _loop("torchclip3", examples.TORCH_CLIP), stage=3, world_size=2, optimizer="sgd",
+          clip=0.5, match="step 2's loss")

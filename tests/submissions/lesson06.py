@@ -122,12 +122,20 @@ COUNTS_SKIPPED = solution_with("""        if not self.scaler.update():
         for i, grad in zip(with_grad, grads):
 """)
 
+# Divides in place after .float(): right values, but an fp32 gradient's .float() is the gradient itself,
+# so the caller's tensor is divided too (16-bit ones are copied first, and stay as they were).
+UNSCALES_IN_PLACE = solution_with("out = [g.float() / self.scale for g in grads]",
+                                  "out = [g.float().div_(self.scale) for g in grads]  # BUG: fp32 inputs divided")
+
 STUDENTS = [
     correct(LESSON, "loss_scaler", "master_adam", "understanding"),
     untouched(LESSON, "still the stub"),
     Student("multiplies_by_scale", "unscale multiplies the gradient by the loss scale instead of dividing",
             {**FULL, "test_unscale": 0}, reason="times the scale",
             cells={"loss_scaler": MULTIPLIES, "master_adam": SOLUTION, "understanding": SOLUTION}),
+    Student("unscales_in_place", "unscale divides after .float() in place: the fp32 gradients it was given change",
+            {**FULL, "test_unscale": 0}, reason="you were given changed",
+            cells={"loss_scaler": UNSCALES_IN_PLACE, "master_adam": SOLUTION, "understanding": SOLUTION}),
     Student("updates_half_params", "AdamW applied to the 16-bit parameters; the fp32 masters never move",
             {**FULL, "test_master_update": 0}, reason="did not change",
             cells={"loss_scaler": SOLUTION, "master_adam": UPDATES_HALF, "understanding": SOLUTION}),

@@ -5,7 +5,8 @@ test_consolidate 3, test_consolidate_memory 2 (exercise c), test_answers 2. Each
 graded with zerokit's versions of the others, so a defect costs only its own exercise's checks:
 the issue's defects (every rank saves everything; one step count for every parameter; shapes
 from p.shape, empty under ZeRO-3; shards copied before writing; a resharding map off by the
-padding; a consolidation that keeps the padding, or duplicates a tied weight) each cost one check.
+padding; a consolidation that keeps the padding, duplicates a tied weight, keeps a frozen parameter
+in its 16-bit saved dtype, or reads a whole shard before cutting it) each cost one check.
 """
 
 from . import SOLUTION, Student, correct, full_marks, solution_with, untouched
@@ -88,6 +89,40 @@ def _duplicates_tied(solution):
     return solution.replace(old, "state[alias] = state[name].clone()  # BUG: a second copy of a tied weight")
 
 
+# Frozen parameters read by hand in the dtype replicated.bin holds them in: fp32 in an fp32 job's
+# checkpoint (right by chance), 16-bit in a mixed-precision job's, inside a "plain fp32" state_dict.
+KEEPS_SAVED_DTYPE = solution_with(
+    '            state[entry["name"]] = ckpt.read_replicated(reader, entry)\n',
+    '            t = torch.empty(entry["shape"], dtype=getattr(torch, entry["dtype"]))\n'
+    '            reader.read("replicated.bin", entry["offset"], t)\n'
+    '            state[entry["name"]] = t  # BUG: a frozen parameter stays in the dtype it was saved in\n')
+
+# Each rank's shard of a bucket read whole, then the parameters cut out of it: the right values, and
+# a temporary of a whole shard (ZeRO-1 on one rank: the whole model) beside the state_dict.
+READS_WHOLE_SHARDS = '''def consolidate(path):
+    meta, state = ckpt.read_metadata(path), {}
+    with Reader(path) as reader:
+        for b, bucket in enumerate(meta["buckets"]):
+            size, at = bucket["shard_numel"], ckpt.tensor_offset(meta, b, "weights")
+            flats = {p["name"]: torch.empty(math.prod(p["shape"])) for p in bucket["params"]}
+            for r in range(meta["world_size"]):
+                shard = torch.empty(size)  # BUG: a whole shard in memory before any parameter is cut out
+                reader.read(rank_file(r), at, shard)
+                for p in bucket["params"]:
+                    lo = max(p["offset"], r * size)
+                    hi = min(p["offset"] + math.prod(p["shape"]), (r + 1) * size)
+                    if lo < hi:
+                        flats[p["name"]][lo - p["offset"]:hi - p["offset"]] = shard[lo - r * size:hi - r * size]
+            for p in bucket["params"]:
+                state[p["name"]] = flats[p["name"]].view(p["shape"])
+        for entry in meta.get("replicated", []):
+            state[entry["name"]] = ckpt.read_replicated(reader, entry)
+    for alias, name in meta.get("aliases", {}).items():
+        state[alias] = state[name]
+    return {k: state[k] for k in meta.get("keys", list(state))}
+'''
+
+
 # One Adam step count for the whole optimizer: right until a layer sits out a step (the
 # hidden test's branch), then the resumed run's bias correction uses the wrong count.
 ONE_STEP_COUNT = solution_with('"step": step}', '"step": max(max(s.steps) for s in shards)}  # BUG: one count')
@@ -122,6 +157,12 @@ STUDENTS = [
     Student("consolidate_keeps_padding", "consolidate keeps each bucket's padding: later parameters shifted",
             {**FULL, "test_consolidate": 0}, reason="differs from the saved weights",
             cells=_with(consolidate=KEEPS_PADDING)),
+    Student("consolidate_keeps_saved_dtype", "consolidate reads frozen parameters in their saved dtype: bf16 in a "
+            "mixed-precision job's checkpoint", {**FULL, "test_consolidate": 0}, reason="a plain fp32 state_dict",
+            cells=_with(consolidate=KEEPS_SAVED_DTYPE)),
+    Student("consolidate_reads_whole_shards", "consolidate reads each rank's shard of a bucket whole, then cuts "
+            "the parameters out: right values, a whole shard in memory", {**FULL, "test_consolidate_memory": 0},
+            reason="Something that size was held", cells=_with(consolidate=READS_WHOLE_SHARDS)),
     Student("consolidate_duplicates_tied", "consolidate copies a tied weight under its second name",
             {**FULL, "test_consolidate": 0}, reason="is a copy of",
             cells=_with(consolidate=_duplicates_tied)),

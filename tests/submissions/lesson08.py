@@ -30,6 +30,11 @@ STUDENTS = [
             {**FULL, "test_saved_views": 0}, reason="a storage costs its bytes once",
             cells=_with("count_saved", "storages[s.data_ptr()] = s.nbytes()",
                         "storages[len(storages)] = s.nbytes()  # BUG: one entry per saved tensor")),
+    Student("counts_by_view_shape", "the count keys a storage by its address and the saved view's shape: a storage "
+            "saved as x and as x flattened is counted twice", {**FULL, "test_saved_views": 0},
+            reason="counted once per shape",
+            cells=_with("count_saved", "storages[s.data_ptr()] = s.nbytes()",
+                        "storages[(s.data_ptr(), tuple(t.shape))] = s.nbytes()  # BUG: one entry per shape")),
     Student("recompute_on_freed_parameters", "_pre_forward does nothing inside backward ('the pre-backward hook "
             "gathered it'): the recomputation runs units freed after their forward",
             {**FULL, "test_recompute": 0}, reason="_pre_forward must gather it",

@@ -62,6 +62,15 @@ SAVES_BEFORE_STEP = solution_with(
     "        dist.all_reduce(total)\n"
     "        losses[step + 1] = float(total) / world_size\n")
 
+# No barrier after the save: a rank goes on to the next step (or returns) while rank 0 is still writing
+# train.json; the check holds rank 0 in its save, as a busy disk does, and sees the rank go on.
+NO_BARRIER = solution_with("            dist.barrier()\n", "            # BUG: no barrier: the others go on before train.json exists\n")
+
+# torch's clipping on what this rank holds: at stage 1 its own gradient, not yet averaged over the ranks,
+# clipped by its own norm (at stage 3 its shard; at stage 2 nothing, the gradient already reduce-scattered).
+TORCH_CLIP = solution_with("            clip_(cfg, model, opt)\n",
+                           "            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)  # BUG: this rank's\n")
+
 STUDENTS = [
     correct(LESSON, "train_loop", "answers"),
     # the stub's reason and the questions' both ask whether the cell is still the stub
@@ -81,6 +90,12 @@ STUDENTS = [
             {**FULL, "test_capstone_resume": 0}, reason="started again at step 0",
             cells={"train_loop": RESUME_AT_ZERO, **SOLVED}),
     Student("saves_before_step", "saves the checkpoint before the optimizer step, labelled as after it",
-            {**FULL, "test_capstone_resume": 0}, reason="resume is not exact",
+            {**FULL, "test_capstone_resume": 0}, reason="was saved when your loop had made 2 optimizer steps",
             cells={"train_loop": SAVES_BEFORE_STEP, **SOLVED}),
+    Student("no_barrier", "no barrier after the save: the other ranks go on before rank 0 has written train.json",
+            {**FULL, "test_capstone_resume": 0}, reason="had no train.json yet",
+            cells={"train_loop": NO_BARRIER, **SOLVED}),
+    Student("torch_clip", "clips with torch.nn.utils.clip_grad_norm_ on the model's parameters: each rank's own "
+            "norm", {**FULL, "test_capstone_losses": 0}, reason="clipped by its own norm",
+            cells={"train_loop": TORCH_CLIP, **SOLVED}),
 ]

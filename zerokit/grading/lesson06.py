@@ -4,7 +4,8 @@ The student writes two things: `MyLossScaler` (unscale the gradients and detect 
 agreed on every rank; back off, skip and grow) and `MyMixedPrecisionAdam` (data parallel
 AdamW with 16-bit weights and gradients, fp32 master weights, m and v). One question per check:
 
-    check_unscale(cls)            unscale() returns fp32 g / S: divided (not multiplied), in fp32
+    check_unscale(cls)            unscale() returns fp32 g / S: divided (not multiplied), in fp32, in
+                                  new tensors (the gradients it was given unchanged, fp32 ones too)
     check_overflow_agreed(cls)    an inf or nan in ONE rank's gradients (each rank holds different
                                   ones, as with ZeRO's shards) makes update() say "skip" on EVERY
                                   rank, and leaves every rank with the same scale
@@ -179,6 +180,16 @@ def _unscale_case(rank, world_size, cls):
                         f"(1.9990234375 / {scale:g} came back {float(o.reshape(-1)[-1]):.8g}, exactly "
                         f"{float(expected.reshape(-1)[-1]):.8g} in fp32): convert to fp32 first, then divide")
             assert_close(o, expected, f"{call}: gradient {i}")
+        for i, (given, src) in enumerate(zip(grads, before)):
+            if not torch.equal(given, src):
+                same = any(o is given for o in out)
+                raise AssertionError(
+                    f"{call}: the gradient {i} you were given changed (g·S = {float(src.float().reshape(-1)[0]):.4g} "
+                    f"before the call, {float(given.float().reshape(-1)[0]):.4g} after"
+                    + (", and the list you returned holds that very tensor" if same else "")
+                    + "): unscale returns new fp32 tensors and leaves its inputs as they were. For an fp32 "
+                    "gradient t.float() is t itself, not a copy, so an in-place division (div_, /=) divides the "
+                    "caller's gradient; divide with /, which makes a new tensor")
         verdict = scaler.update()
         if verdict is None or not verdict:
             raise AssertionError(f"{call}: every gradient is finite, yet update() returned {verdict!r}; "
@@ -188,12 +199,13 @@ def _unscale_case(rank, world_size, cls):
 
 
 def check_unscale(cls, world_size=2, timeout=60.0):
-    """unscale(grads) returns fp32 copies divided by the scale, for fp16, bf16 and fp32 gradients."""
+    """unscale(grads) returns fp32 copies divided by the scale, for fp16, bf16 and fp32 gradients, and
+    leaves the gradients it was given as they were."""
     __tracebackhide__ = True
     _check_scaler_class(cls)
     run_on_ranks(_unscale_case, world_size, args=(cls,), timeout=timeout, what=f"{cls.__name__}.unscale")
     passed(f"{cls.__name__}.unscale returns fp32 gradients divided by S (S = 2**2 ... 2**16; fp16, bf16, fp32) "
-           f"on {world_size} ranks")
+           f"on {world_size} ranks, and leaves the gradients it was given unchanged")
 
 
 def _overflow_case(rank, world_size, cls, bad_rank):

@@ -13,7 +13,8 @@ r"""Checks for lesson 07 (sharded checkpoints): save this rank's shards, the res
     check_consolidate(consolidate, world_size, model)    exercise (c): a plain fp32 state_dict that
                                                          nn.Module.load_state_dict accepts, the saved values,
                                                          no padding, a tied weight once (one tensor)
-    check_consolidate_memory(consolidate, ...)           exercise (c): peak ≤ the output + the largest parameter
+    check_consolidate_memory(consolidate, ...)           exercise (c): peak ≤ the output + the largest parameter,
+                                                         on shards larger than a parameter (ZeRO-1, one rank)
     check_answers(answers)                               check your understanding: four numbers
 
 One bug costs one check. Each exercise is graded with zerokit's versions of the others: your
@@ -36,6 +37,7 @@ from .. import checkpoint as ckpt
 from ..checkpoint.files import CheckpointError, rank_file
 from ..comm import WireCounter
 from ..memory import PeakRSS
+from ..mixed_precision import MixedPrecision, as_dtype
 from ..models import build_model, model_loss
 from ..zero1 import ZeRO1Adam
 from ..zero2 import ZeRO2Adam
@@ -51,14 +53,21 @@ _NO_GRADIENT = "n/a: the lesson's code copies the state an optimizer holds at re
 _NO_FORWARD = "n/a: the lesson's code never runs a module's forward: it reads and writes the state at rest"
 # which of kit.SITUATIONS the hidden tests meet (tests/test_situations.py holds this to them)
 SITUATIONS = {
-    "frozen": "check_consolidate: edge",  # replicated.bin: a frozen parameter and a buffer in the state_dict
+    # replicated.bin holds a frozen parameter and a buffer; in an fp32 job's checkpoint a frozen parameter is
+    # saved in fp32, the output's dtype, so a consolidate that returns it as saved cannot be told from a right
+    # one: a mixed-precision job's checkpoint holds it in 16 bits (the visible test's bf16, the hidden fp16)
+    "frozen": 'check_consolidate: precision="fp16"',
     "tied": "check_consolidate: edge",  # one tensor under both names
     "unused": "check_consolidate: edge",
     "root-params": "check_numerics: awkward",  # ZeRO-3: the tied embedding is the root unit's bucket
     "n3": "check_numerics: world_size=3",
     "sits-out": "check_numerics: branch",  # the branch skips a step before the save: step counts differ
     "zero3": "check_numerics: zero3",
-    "peak-memory": "check_memory: deep-mlp",  # the peak while saving (check_consolidate_memory: consolidating)
+    # consolidate's rule is per parameter (output + the largest one): only shards larger than a parameter show
+    # a temporary of a whole shard. ZeRO-1 (one bucket) on one rank: a shard is the model, twice deep-mlp's
+    # largest parameter (visible); ZeRO-3 on one rank (hidden): a rank file is the model. (check_memory:
+    # deep-mlp, the peak while saving)
+    "peak-memory": "check_consolidate_memory: world_size=1",
     "zero-grad-shard": _NO_GRADIENT,
     "out-of-order": _NO_GRADIENT,
     "tuple-output": _NO_FORWARD,
@@ -94,29 +103,36 @@ NO_ZEROKIT_CONSOLIDATE = [(ckpt, "consolidate", _OWN.format("consolidate") + " (
 # training, and what an optimizer holds
 
 
-def _make(stage, model):
+def _make(stage, model, precision=None):
+    """The stage's Adam; with precision ("bf16", "fp16") a mixed-precision job: every parameter of the
+    model 16-bit, frozen ones too (they are saved so, in replicated.bin), fp32 masters in the shards."""
+    mixed = {} if precision is None else {"precision": MixedPrecision(precision)}
     if stage == "zero1":
-        return ZeRO1Adam(model.parameters(), **HYPER)
+        return ZeRO1Adam(model.parameters(), **HYPER, **mixed)
     if stage == "zero2":  # small buckets: several of them, each with its own padding
-        return ZeRO2Adam(model.parameters(), bucket_mb=400 * 4 / 2**20, **HYPER)
+        return ZeRO2Adam(model.parameters(), bucket_mb=400 * 4 / 2**20, **HYPER, **mixed)
     if stage == "zero3":
-        return ZeRO3Adam(model, **HYPER)
+        return ZeRO3Adam(model, **HYPER, **mixed)
     raise ValueError(f"stage must be zero1, zero2 or zero3, not {stage!r}")
 
 
-def _backward(model, step, name, rank=None, world_size=None):
-    """The gradient of the global batch of `step` (one process), or of this rank's slice of it."""
+def _backward(model, step, name, rank=None, world_size=None, scale_loss=None):
+    """The gradient of the global batch of `step` (one process), or of this rank's slice of it;
+    scale_loss: the optimizer's (a mixed-precision fp16 job scales the loss)."""
     if rank is None:
         x, y = global_batch(name, step, GLOBAL_BATCH, STREAM)
     else:
         x, y = rank_batch(name, step, GLOBAL_BATCH, rank, world_size, STREAM)
+    if x.is_floating_point():  # the model's own dtype: 16-bit in a mixed-precision job
+        x = x.to(next(model.parameters()).dtype)
     out = model(x, use_branch=False) if name == "branch" and step == BRANCH_SITS_OUT else model(x)
-    model_loss(name, out, y).backward()
+    loss = model_loss(name, out.float(), y)
+    (loss if scale_loss is None else scale_loss(loss)).backward()
 
 
 def _train(name, model, opt, start, steps, rank, world_size):
     for step in range(start, start + steps):
-        _backward(model, step, name, rank, world_size)
+        _backward(model, step, name, rank, world_size, scale_loss=opt.scale_loss)
         opt.step()
         opt.zero_grad()
 
@@ -185,12 +201,12 @@ def _reference(model, timeout):
     return adamw_reference(model, SAVE_STEPS + MORE_STEPS, HYPER, _backward, (model,), timeout=timeout)
 
 
-def _save_case(rank, world_size, name, stage, path, save_shards):
+def _save_case(rank, world_size, name, stage, path, save_shards, precision=None):
     """Train SAVE_STEPS steps, save (zerokit's save, with save_shards if given); this rank's pieces."""
     save = ckpt.save  # taken before refusing: the check's own tool
     with refusing(*(NO_ZEROKIT_SAVE if save_shards is not None else ()), everywhere=True):
         model = build_model(name)
-        opt = _make(stage, model)
+        opt = _make(stage, model, precision)
         _train(name, model, opt, 0, SAVE_STEPS, rank, world_size)
         held = _held(model, opt)
         try:
@@ -209,16 +225,17 @@ def _shared_dir():
     return Path(tempfile.mkdtemp(prefix="zerokit-lesson07-"))
 
 
-_SAVED = {}  # (model, stage, world size) -> (path, every rank's pieces): checkpoints zerokit saved
+_SAVED = {}  # (model, stage, world size, precision) -> (path, every rank's pieces): checkpoints zerokit saved
 
 
-def _saved_by_zerokit(model, stage, world_size, timeout):
+def _saved_by_zerokit(model, stage, world_size, timeout, precision=None):
     """A checkpoint zerokit.checkpoint.save wrote after SAVE_STEPS steps, and what the ranks held;
     saved once per configuration (a lesson's visible and hidden checks share it)."""
-    key = (model, stage, world_size)
+    key = (model, stage, world_size, precision)
     if key not in _SAVED or not (_SAVED[key][0] / "COMPLETE").exists():
         path = _shared_dir() / "ckpt"
-        held = run_on_ranks(_save_case, world_size, args=(model, stage, path, None), timeout=timeout, what="saving")
+        held = run_on_ranks(_save_case, world_size, args=(model, stage, path, None, precision), timeout=timeout,
+                            what="saving")
         _SAVED[key] = (path, held)
     return _SAVED[key]
 
@@ -475,9 +492,10 @@ def check_reshard_map(shard_reads, world_size=2, load_world_size=None, model="ml
 # exercise (c): consolidate
 
 
-def _consolidate_case(rank, world_size, fn, path, name, truth):
+def _consolidate_case(rank, world_size, fn, path, name, truth, precision=None):
     with refusing(*NO_ZEROKIT_CONSOLIDATE, everywhere=True):
         state = fn(path)
+    saved_dtypes = {e["name"]: e["dtype"] for e in ckpt.read_metadata(path).get("replicated", [])}
     if not isinstance(state, dict):
         raise AssertionError(f"consolidate returned a {type(state).__name__}, not a dict (a state_dict)")
     plain = build_model(name, seed=2)
@@ -496,7 +514,11 @@ def _consolidate_case(rank, world_size, fn, path, name, truth):
                                  + (": the padding at the end of a bucket belongs to no parameter"
                                     if v.numel() > expected.numel() else ""))
         if expected.is_floating_point() and v.dtype != torch.float32:
-            raise AssertionError(f"state[{k!r}] is {v.dtype}: a consolidated checkpoint is fp32")
+            as_saved = (f", the dtype the checkpoint holds it in (replicated.bin: a mixed-precision job's frozen "
+                        f"parameters are {saved_dtypes[k]}, as the model computes)"
+                        if saved_dtypes.get(k) == str(v.dtype).removeprefix("torch.") else "")
+            raise AssertionError(f"state[{k!r}] is {v.dtype}{as_saved}: a consolidated checkpoint is a plain fp32 "
+                                 "state_dict, every floating-point tensor in fp32, whatever the job computed in")
     plain.load_state_dict(state)  # strict
     tied = {}
     for k, t in build_model(name).state_dict(keep_vars=True).items():
@@ -513,23 +535,32 @@ def _consolidate_case(rank, world_size, fn, path, name, truth):
             raise AssertionError(f"state[{name_!r}] differs from the saved weights at element {i}: saved "
                                  f"{float(full['weights'][i]):.6g}, yours {float(got[i]):.6g} (where does each "
                                  "parameter start in its bucket, and where does its bucket start in a rank file?)")
+    params = dict(build_model(name).named_parameters())
+    dtype = as_dtype(precision) if precision else torch.float32
     for k, t in original.items():
-        if k not in truth and k not in aliases and not torch.equal(state[k], t.float()):
-            raise AssertionError(f"state[{k!r}] (a frozen parameter or a buffer) differs from the model's")
+        # the values as saved: a mixed-precision job's frozen parameters were 16-bit (the rounded weights)
+        want = t.to(dtype).float() if k in params and t.is_floating_point() else t.float()
+        if k not in truth and k not in aliases and not torch.equal(state[k], want):
+            raise AssertionError(f"state[{k!r}] (a frozen parameter or a buffer) differs from the values saved in "
+                                 "replicated.bin")
 
 
-def check_consolidate(consolidate, world_size=2, model="edge", stage="zero3", timeout=60.0):
+def check_consolidate(consolidate, world_size=2, model="edge", stage="zero3", precision=None, timeout=60.0):
     """consolidate(path) of a checkpoint zerokit saved on world_size ranks: a plain fp32 state_dict that
     the model's load_state_dict accepts (strict), with the saved weights, tied weights once, frozen
-    parameters and buffers, and no padding."""
+    parameters and buffers, and no padding. precision "bf16" or "fp16": the checkpoint of a mixed-precision
+    job, whose frozen parameters replicated.bin holds in 16 bits (the trained ones: their fp32 masters)."""
     __tracebackhide__ = True
     if not callable(consolidate):
         raise CheckFailed(f"expected the function consolidate, got {type(consolidate).__name__}")
-    path, held = _saved_by_zerokit(model, stage, world_size, timeout)
+    path, held = _saved_by_zerokit(model, stage, world_size, timeout, precision)
     truth = _assemble(held, model)
-    run_on_ranks(_consolidate_case, 1, args=(consolidate, path, model, truth), timeout=timeout, what="consolidate")
-    passed(f"consolidate gives a plain fp32 state_dict of {model} saved on {world_size} ranks ({stage}): strict "
-           "load_state_dict, the saved weights bit for bit, tied weights once, frozen parameters and buffers")
+    run_on_ranks(_consolidate_case, 1, args=(consolidate, path, model, truth, precision), timeout=timeout,
+                 what="consolidate")
+    job = f"{stage}, {precision} mixed precision" if precision else f"{stage}, fp32"
+    passed(f"consolidate of {model} saved on {world_size} ranks ({job}): every tensor fp32, strict "
+           "load_state_dict, the saved weights bit for bit, tied weights one tensor, frozen parameters and buffers "
+           "the saved values")
 
 
 def _peak_case(rank, world_size, fn, path):
@@ -541,9 +572,11 @@ def _peak_case(rank, world_size, fn, path):
     return peak.bytes
 
 
-def check_consolidate_memory(consolidate, world_size=2, model="deep-mlp", stage="zero3", timeout=60.0):
+def check_consolidate_memory(consolidate, world_size=1, model="deep-mlp", stage="zero1", timeout=60.0):
     """The peak memory of consolidate(path) is at most the output plus the largest parameter: built
-    one parameter at a time, never a second copy of the model."""
+    one parameter at a time, never a second copy of the model. The rule is per parameter, so the
+    checkpoint must have shards larger than a parameter for a shard-sized temporary to show: ZeRO-1
+    (one bucket) on one rank, the default, holds the whole model in one shard."""
     __tracebackhide__ = True
     if not callable(consolidate):
         raise CheckFailed(f"expected the function consolidate, got {type(consolidate).__name__}")
@@ -553,13 +586,20 @@ def check_consolidate_memory(consolidate, world_size=2, model="deep-mlp", stage=
     limit = output + largest
     rule = (f"the limit {limit / 2**20:.2f} MiB = the output ({model}'s state_dict, {output / 2**20:.2f} MiB) + "
             f"the largest parameter ({largest / 2**20:.2f} MiB)")
+    where = f"saved by {stage} on {world_size} rank{'s' if world_size > 1 else ''}"
     if peak is None:
-        passed(f"consolidate ran; no peak measured (this system has no high-water mark of resident memory); {rule}")
+        passed(f"consolidate ran ({where}); no peak measured (this system has no high-water mark of resident "
+               f"memory); {rule}")
         return
     if peak > limit:
-        raise CheckFailed(f"consolidate's peak memory was {peak / 2**20:.2f} MiB, over {rule}. Read each parameter "
-                          "straight into its own tensor; never a whole shard or a whole bucket at once")
-    passed(f"consolidate's peak memory was {peak / 2**20:.2f} MiB, within {rule}")
+        shards = [4 * b["shard_numel"] for b in ckpt.read_metadata(path)["buckets"]]
+        raise CheckFailed(
+            f"consolidate's peak memory was {peak / 2**20:.2f} MiB ({where}), over {rule}: {(peak - output) / 2**20:.2f} "
+            f"MiB above the output, where a rank's weights here are {sum(shards) / 2**20:.2f} MiB in "
+            f"{len(shards)} bucket shard{'s' if len(shards) > 1 else ''} (the largest {max(shards) / 2**20:.2f} MiB). "
+            "Something that size was held besides the state_dict: read each parameter straight into its own tensor, "
+            "never a whole shard, bucket or rank file first")
+    passed(f"consolidate's peak memory was {peak / 2**20:.2f} MiB ({where}), within {rule}")
 
 
 def _consolidated_bytes(model):

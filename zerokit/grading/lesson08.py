@@ -9,8 +9,9 @@ node's saved tensors (`grad_fn._saved_*`).
                         layer on a 3-D input, LayerNorm, an MLP, tanh, an embedding): the
                         count, and the weights they save left out;
 - check_saved_views     modules without parameters that save several views of one storage,
-                        or a view of part of one (sin x * cos x, attention's q, k, v, a
-                        slice, x.t() * x.t()): each storage once, and all of it.
+                        in one shape or in several, or a view of part of one (sin x * cos x,
+                        attention's q, k, v, sin x * cos of x flattened, a slice,
+                        x.t() * x.t()): each storage once, and all of it.
 
 Exercise 2, `RecomputingZeRO3` (on zerokit.ZeRO3Adam): `_pre_forward` and `_post_forward`
 that also do the right thing when backward recomputes a checkpointed block (in_backward()).
@@ -77,7 +78,10 @@ SITUATIONS = {
     "zero3": "check_recompute",  # exercise 2 is ZeRO-3's hooks (every check of it)
     "n3": "check_recompute: world_size=3",
     "zero-grad-shard": "check_offload_numerics: world_size=3",  # the last rank's gradient is zeros on step 2
-    "peak-memory": "check_offload_memory",  # the kernel's high-water mark during the step
+    # the kernel's high-water mark during the step. Exercise 1's memory rule (each storage once, all of it) is
+    # met by its own modules, not the zoo: check_saved_views saves one storage as views of one shape (q, k, v)
+    # and of two (x, and x flattened, as a Block's attention output and the projection's input are)
+    "peak-memory": "check_offload_memory",
     "frozen": _HOOKS_ONLY,
     "unused": _HOOKS_ONLY,
     "out-of-order": _HOOKS_ONLY,
@@ -125,6 +129,14 @@ class HalfSin(nn.Module):
         return torch.sin(x[:, : x.shape[1] // 2])
 
 
+class SinCosFlat(nn.Module):
+    """sin(x) * cos(x flattened): sin saves x, cos saves a view of x in another shape (as a linear layer
+    saves its 3-D input reshaped to 2-D): one storage, two views of different shapes."""
+
+    def forward(self, x):
+        return torch.sin(x) * torch.cos(x.reshape(-1)).reshape(x.shape)
+
+
 def _layers(which, seed=0):
     torch.manual_seed(8 + seed)
 
@@ -141,6 +153,7 @@ def _layers(which, seed=0):
     # no parameters here: a count that includes the weights costs check_saved_bytes only
     return [("sin(x) * cos(x)", SinCos(), (_grad_input(4, 6),)),
             ("attention on q, k, v = qkv.chunk(3)", ChunkAttention(), (_grad_input(2, 3, 7, 12),)),
+            ("sin(x) * cos(x.reshape(-1)).reshape(x.shape)", SinCosFlat(), (_grad_input(3, 5),)),
             ("sin of x's first half", HalfSin(), (_grad_input(5, 8),)),
             ("x.t() * x.t()", Square(), (_grad_input(3, 7),))]
 
@@ -172,14 +185,16 @@ def reference_saved_bytes(module, *inputs):
     params = {p.untyped_storage().data_ptr() for p in module.parameters()}
     acts = [t for t in saved if t.untyped_storage().data_ptr() not in params]
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in acts}
-    views = {}
+    views, shaped = {}, {}
     for t in acts:
         key = t.untyped_storage().data_ptr()
         views[key] = max(views.get(key, 0), t.numel() * t.element_size())
+        shaped[(key, tuple(t.shape))] = t.untyped_storage().nbytes()
     return {"bytes": sum(storages.values()),
             "parameters": sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                                for t in saved if t.untyped_storage().data_ptr() in params}.values()),
             "per_tensor": sum(t.untyped_storage().nbytes() for t in acts), "elements": sum(views.values()),
+            "by_shape": sum(shaped.values()),
             "tensors": len(acts)}
 
 
@@ -206,6 +221,10 @@ def _count_hint(label, got, want):
     if want["parameters"] and got == want["bytes"] + want["parameters"]:
         return (f"{said}; the difference, {want['parameters']} bytes, is the layer's weights, which it saves too: "
                 "they are model state, not activations; leave out storages that back a parameter")
+    if got == want["by_shape"] and want["by_shape"] != want["bytes"]:
+        return (f"{said}; {want['by_shape'] - want['bytes']} bytes too many: views of one storage in different "
+                "shapes were counted once per shape. A storage is its address alone, whatever the shape of the "
+                "view that was saved (key it by untyped_storage().data_ptr(), nothing else)")
     if got == want["per_tensor"]:
         return (f"{said}; it saved {want['tensors']} tensors, some of them views of one storage, and you counted each "
                 "view's storage every time: a storage costs its bytes once (key it by untyped_storage().data_ptr())")
@@ -228,16 +247,17 @@ def check_saved_bytes(fn, seed=0, timeout=60.0):
     inputs, outputs and statistics, the saved weights left out."""
     __tracebackhide__ = True
     rows = _check_counter(fn, "plain", seed, timeout)
-    passed("saved_activation_bytes counts what autograd saves, weights left out: "
+    passed("saved_activation_bytes equals the count read from the autograd graph (weights left out) on: "
            + "; ".join(f"{label} {n} B" for label, n in rows))
 
 
 def check_saved_views(fn, seed=0, timeout=60.0):
-    """The count where saved tensors share storages: views of one storage counted once, and a
-    view of part of a storage counted as the whole storage it keeps alive."""
+    """The count where saved tensors share storages: views of one storage counted once, whether
+    they have one shape or several, and a view of part of a storage counted as the whole storage
+    it keeps alive."""
     __tracebackhide__ = True
     rows = _check_counter(fn, "views", seed, timeout)
-    passed("saved_activation_bytes counts each storage once, and all of it: "
+    passed("saved_activation_bytes equals the count read from the autograd graph (each storage once, all of it) on: "
            + "; ".join(f"{label} {n} B" for label, n in rows))
 
 

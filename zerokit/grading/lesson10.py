@@ -12,7 +12,9 @@ r"""Checks for lesson 10 (the capstone): the training loop, assembled from the c
                                                  raised on every rank as the step after `stop` begins),
                                                  resumed from its last checkpoint on another world size,
                                                  continues exactly where an uninterrupted run of the same
-                                                 loop goes (within 1e-5 relative per step)
+                                                 loop goes (within 1e-5 relative per step); each step<k>
+                                                 saved after k optimizer steps, and, rank 0 held 0.3 s in
+                                                 each save, no rank going on before its train.json exists
 
 The student's loop is `train_loop(rank, world_size, cfg, model, opt, text) -> {step: loss}`: cfg is
 what `zerokit.train.parse_args` gives (batch, accum, seq_len, seed, steps, clip, checkpoint_every,
@@ -24,15 +26,21 @@ One bug costs one check. The losses cannot see which rank ran which sequences: e
 the whole batch gives the same mean gradient (N times the work), so check_data looks at the
 sequences themselves. check_losses runs without checkpoints; check_resume compares the student's loop
 with itself (uninterrupted against killed and resumed), so a loop that trains wrongly but resumes
-exactly loses only check_losses. check_losses uses torch.optim.SGD (momentum) as well as AdamW:
+exactly loses only check_losses; and check_resume names only what it measured: how many optimizer steps
+were done at each save (zerokit.checkpoint.save and load are watched), whether the resumed run loaded,
+which batch it began with, and, only when the resume is not exact, whether the loop run uninterrupted
+gives the same losses on both world sizes. check_losses uses torch.optim.SGD (momentum) as well as AdamW:
 Adam's update is blind to the gradient's scale (m / sqrt(v)), so a loss not divided by the number of
 micro-batches trains AdamW the same to within 1e-6 and only an optimizer that reads the scale shows it.
 """
 
+import contextlib
 import json
 import os
 import shutil
 import tempfile
+import time
+import types
 from collections import Counter
 from pathlib import Path
 
@@ -140,14 +148,16 @@ def _close(a, b):
 def _reference_case(_rank, _one, cfg, optimizer, world_size):
     """{variant: {step: loss}}: the right loop, and the loops of common mistakes (for the reason only):
     "sum" the micro-batch losses not divided by cfg.accum, "last" only the last micro-batch's gradient
-    kept (zero_grad between micro-batches), "unclipped" no clipping. And each rank's share of step 1's
-    loss (a loss reported before the all-reduce)."""
+    kept (zero_grad between micro-batches), "unclipped" no clipping, "rank_norm" each rank's gradient
+    clipped by its own norm before the ranks' are averaged (torch.nn.utils.clip_grad_norm_ on a
+    ZeRO-1 rank's unreduced .grad). And each rank's share of step 1's loss (a loss reported before
+    the all-reduce)."""
     from zerokit.models import TinyTransformer
 
     text = _text(cfg)
     per_rank = cfg.batch // world_size
     out = {}
-    variants = ["right", "sum", "last"] + (["unclipped"] if cfg.clip is not None else [])
+    variants = ["right", "sum", "last"] + (["unclipped", "rank_norm"] if cfg.clip is not None else [])
     for variant in variants:
         torch.manual_seed(cfg.seed)
         model = TinyTransformer(vocab=256, dim=cfg.dim, n_layers=cfg.layers, n_heads=cfg.heads, seq_len=cfg.seq_len)
@@ -160,6 +170,16 @@ def _reference_case(_rank, _one, cfg, optimizer, world_size):
             losses[step + 1] = float(loss.detach())
             if variant == "sum":
                 (loss * cfg.accum).backward()
+            elif variant == "rank_norm":
+                clipped = []
+                for r in range(world_size):
+                    rows = slice(r * per_rank, (r + 1) * per_rank)
+                    model.zero_grad()
+                    F.cross_entropy(model(x[rows]).reshape(-1, 256), y[rows].reshape(-1)).backward()
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)  # this rank's norm alone
+                    clipped.append([p.grad.clone() for p in model.parameters()])
+                for p, *grads in zip(model.parameters(), *clipped):
+                    p.grad = sum(grads) / world_size
             elif variant == "last":
                 parts = []
                 for r in range(world_size):
@@ -169,7 +189,7 @@ def _reference_case(_rank, _one, cfg, optimizer, world_size):
                 (sum(parts) / (world_size * cfg.accum)).backward()
             else:
                 loss.backward()
-            if cfg.clip is not None and variant != "unclipped":
+            if cfg.clip is not None and variant not in ("unclipped", "rank_norm"):
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
             opt.step()
             opt.zero_grad()
@@ -253,8 +273,17 @@ def check_losses(loop, stage=3, world_size=2, steps=4, accum=2, optimizer="sgd",
                 why = ("only the last micro-batch's gradient reached the optimizer: gradients add up across "
                        "backward calls, so clear them after the optimizer step, not between micro-batches")
             elif "unclipped" in ref and all(_close(got[j], ref["unclipped"][j]) for j in range(1, steps + 1)):
-                why = (f"your loop did not clip: with cfg.clip = {cfg.clip:g} the gradient's global norm is scaled "
-                       "to it before every optimizer step (clip_(cfg, model, opt))")
+                why = (f"the optimizer stepped on unclipped gradients: with cfg.clip = {cfg.clip:g} the gradient's "
+                       "global norm is scaled to it before every optimizer step (clip_(cfg, model, opt))"
+                       + (". At stage 2 the parameters hold no .grad after backward (ZeRO-2 keeps only its reduced "
+                          "shard), so torch.nn.utils.clip_grad_norm_ on model.parameters() finds nothing to clip"
+                          if stage == 2 else ""))
+            elif "rank_norm" in ref and all(_close(got[j], ref["rank_norm"][j]) for j in range(1, steps + 1)):
+                why = ("each rank's gradient was clipped by its own norm before the ranks' gradients were averaged "
+                       "(torch.nn.utils.clip_grad_norm_ on model.parameters(): at stage 1 .grad holds this rank's "
+                       "gradient, not yet reduced): clipping scales the mean gradient of the whole batch by one "
+                       "number, from its global norm, the same on every rank. clip_(cfg, model, opt) computes it "
+                       "for each stage")
             else:
                 why = ("is each step's gradient the mean over the global batch (each rank its slice, each micro-batch's "
                        "loss divided by cfg.accum), cleared after each optimizer step, clipped when cfg.clip is set, "
@@ -341,35 +370,101 @@ class _JobKilled(BaseException):
     (a BaseException, so that a loop's `except Exception` cannot swallow it)."""
 
 
+# While a resume check runs, zerokit.checkpoint's save and load report to the check: the code of each is
+# swapped for _watched's (renamed), so a loop that took a reference to them earlier is watched too, as
+# kit.refusing does; the swapped code runs with zerokit.checkpoint's globals, hence the absolute import.
+_WATCHERS = {}  # co_name -> the function that stands in for zerokit.checkpoint's one, in a rank's process
+SLOW_RANK0 = 0.3  # s: rank 0 returns from each save this late, as on a busy disk (its metadata, replicated.bin)
+
+
+def _watched(*args, **kwargs):
+    import sys as _sys
+
+    from zerokit.grading import lesson10 as _lesson10
+
+    return _lesson10._WATCHERS[_sys._getframe().f_code.co_name](*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _watching(**after):
+    """Inside: zerokit.checkpoint.<name>(...) runs as before, then after[name](args, kwargs)."""
+    import zerokit.checkpoint as ckpt
+
+    swapped = []
+    try:
+        for name, then in after.items():
+            fn = getattr(ckpt, name)
+            original = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+            original.__kwdefaults__ = fn.__kwdefaults__
+
+            def call(*args, _original=original, _then=then, **kwargs):
+                out = _original(*args, **kwargs)
+                _then(args, kwargs)
+                return out
+
+            key = f"_watched_{name}"
+            _WATCHERS[key] = call
+            swapped.append((fn, fn.__code__, key))
+            fn.__code__ = _watched.__code__.replace(co_name=key, co_qualname=key)
+        yield
+    finally:
+        for fn, code, key in reversed(swapped):
+            fn.__code__ = code
+            _WATCHERS.pop(key, None)
+
+
 def _resume_case(rank, world_size, loop, cfg, kill_after=None):
-    """The loop's losses; with kill_after, the job dies at the first forward after kill_after optimizer steps
-    (every rank at once: the start of the next step, before any of its collectives) and the number of steps
-    it had done comes back instead."""
+    """What the loop did: {"losses", "done" (optimizer steps), "saves" [(folder, steps done when saved)],
+    "loads" (calls of zerokit.checkpoint.load), "early" ((folder, what this rank did) if it went on before
+    the folder's train.json existed, else None), "first" (the input of its first forward)}. Rank 0 returns
+    from every save SLOW_RANK0 s late. With kill_after, the job dies at the first forward after kill_after
+    optimizer steps (every rank at once: the start of the next step, before any of its collectives)."""
     model, opt = build_stage(cfg, world_size, "adamw")
-    if kill_after is None:
-        return _run_loop(loop, rank, world_size, cfg, model, opt, _text(cfg))
-    done = [0]
+    seen = {"losses": None, "done": 0, "saves": [], "loads": 0, "early": None, "first": None}
+    pending = []  # the folder of the last save, until this rank has seen its train.json
     step = opt.step
 
     def counting_step(*args, **kwargs):
-        done[0] += 1
+        seen["done"] += 1
         return step(*args, **kwargs)
 
-    def kill(_module, _args):
-        if done[0] >= kill_after:
+    def saved(args, kwargs):
+        path = Path(args[0] if args else kwargs["path"])
+        seen["saves"].append((path.name, seen["done"]))
+        pending[:] = [path]
+        if rank == 0:
+            time.sleep(SLOW_RANK0)
+
+    def loaded(_args, _kwargs):
+        seen["loads"] += 1
+
+    def went_on(what):
+        if pending and not (pending[0] / "train.json").exists() and seen["early"] is None:
+            seen["early"] = (pending[0].name, what)
+        pending.clear()
+
+    def before_forward(_module, args):
+        went_on(f"began step {seen['done'] + 1}")
+        if seen["first"] is None and args and isinstance(args[0], torch.Tensor):
+            seen["first"] = args[0].detach().clone()
+        if kill_after is not None and seen["done"] >= kill_after:
             raise _JobKilled()
 
     opt.step = counting_step
-    handle = model.register_forward_pre_hook(kill)
+    handle = model.register_forward_pre_hook(before_forward, prepend=True)  # before any hook that communicates
     try:
-        _run_loop(loop, rank, world_size, cfg, model, opt, _text(cfg))
+        with _watching(save=saved, load=loaded):
+            seen["losses"] = _run_loop(loop, rank, world_size, cfg, model, opt, _text(cfg))
+        went_on("returned from train_loop")
     except _JobKilled:
-        return done[0]
+        pass
     finally:
         handle.remove()
-    raise AssertionError(f"the job was to die at the first forward after {kill_after} optimizer steps, but your "
-                         f"train_loop finished after {done[0]} (cfg.steps = {cfg.steps}): one opt.step() per step, "
-                         "from step 0 when there is no checkpoint to resume")
+    if kill_after is not None and seen["losses"] is not None:
+        raise AssertionError(f"the job was to die at the first forward after {kill_after} optimizer steps, but your "
+                             f"train_loop finished after {seen['done']} (cfg.steps = {cfg.steps}): one opt.step() per "
+                             "step, from step 0 when there is no checkpoint to resume")
+    return seen
 
 
 def _saved(directory):
@@ -390,7 +485,9 @@ def check_resume(loop, stage=3, world_size=2, resume_world_size=1, every=3, stop
     """A run of loop on world_size ranks saving every `every` steps (cfg.steps = steps) is killed as the step after
     `stop` begins (every rank raises in its first forward, before any collective of that step); resumed (cfg.resume)
     on resume_world_size ranks it must start after its last checkpoint and give, at every step to `steps`, the
-    losses of an uninterrupted run of the same loop (within 1e-5 relative). AdamW, fp32."""
+    losses of an uninterrupted run of the same loop (within 1e-5 relative). AdamW, fp32. Each step<k> must be
+    saved after k optimizer steps, and with rank 0 held SLOW_RANK0 s in each save, no rank may begin its next
+    step, or return, before that checkpoint's train.json exists."""
     __tracebackhide__ = True
     if not callable(loop):
         raise CheckFailed(f"expected your function train_loop(rank, world_size, cfg, model, opt, text), got "
@@ -409,8 +506,8 @@ def _check_resume(loop, stage, world_size, resume_world_size, every, stop, steps
     ckpt = root / "checkpoints"
     first = make_config(stage=stage, accum=accum, steps=steps, batch=batch, checkpoint_every=every,
                         checkpoint_dir=ckpt, resume=True)  # the first launch: nothing to resume yet
-    run_on_ranks(_resume_case, world_size, args=(loop, first, stop), timeout=timeout, forbid_adam=False,
-                 what="your train_loop (the run that dies)")
+    dying = run_on_ranks(_resume_case, world_size, args=(loop, first, stop), timeout=timeout, forbid_adam=False,
+                         what="your train_loop (the run that dies)")
     saved = _saved(ckpt)
     expected = [f"step{k}" for k in range(every, stop + 1, every)]
     names = [name for name, _, _ in saved]
@@ -431,13 +528,23 @@ def _check_resume(loop, stage, world_size, resume_world_size, every, stop, steps
         if f"step{step}" != name:
             raise CheckFailed(f"{name}/train.json records step {step}: the data position of a checkpoint saved after "
                               f"k steps is k, the step the resumed run starts at")
+    for name, done in dying[0]["saves"]:
+        k = int(name[4:]) if name.startswith("step") and name[4:].isdigit() else None
+        if k is not None and done != k:
+            raise CheckFailed(
+                f"{name} was saved when your loop had made {done} optimizer step{'s' if done != 1 else ''}, not {k}: "
+                f"it holds the weights and optimizer state {'before' if done < k else 'after'} the update of step "
+                f"{min(done, k) + 1}, and a run resumed from it at step {k} would "
+                f"{'never make that update' if done < k else 'make it twice'}. Save after opt.step()")
+    _no_early_rank(dying, "the run that dies")
     resumed_cfg = make_config(stage=stage, accum=accum, steps=steps, batch=batch, checkpoint_every=every,
                               checkpoint_dir=ckpt, resume=True)
-    resumed = run_on_ranks(_resume_case, resume_world_size, args=(loop, resumed_cfg), timeout=timeout,
-                           forbid_adam=False, what=f"your train_loop (resumed on {resume_world_size} ranks)")[0]
+    again = run_on_ranks(_resume_case, resume_world_size, args=(loop, resumed_cfg), timeout=timeout,
+                         forbid_adam=False, what=f"your train_loop (resumed on {resume_world_size} ranks)")
+    resumed = again[0]["losses"]
     whole_cfg = make_config(stage=stage, accum=accum, steps=steps, batch=batch, checkpoint_dir=root / "none")
     whole = run_on_ranks(_resume_case, world_size, args=(loop, whole_cfg), timeout=timeout, forbid_adam=False,
-                         what="your train_loop (the uninterrupted run)")[0]
+                         what="your train_loop (the uninterrupted run)")[0]["losses"]
     where = (f"stage {stage}, killed after step {stop} on {world_size} ranks (checkpoints every {every} steps), "
              f"resumed on {resume_world_size}")
     if sorted(resumed) != list(range(last + 1, steps + 1)):
@@ -452,14 +559,60 @@ def _check_resume(loop, stage, world_size, resume_world_size, every, stop, steps
         else:
             why = f"expected steps {last + 1}..{steps}, from the last checkpoint (step{last}) to cfg.steps"
         raise CheckFailed(f"the resumed run ({where}) trained steps {sorted(resumed)[:12]}: {why}")
-    for k in range(last + 1, steps + 1):
-        if not _close(resumed[k], whole[k]):
-            off = abs(resumed[k] - whole[k]) / abs(whole[k])
-            raise CheckFailed(
-                f"step {k} of the resumed run ({where}) has loss {resumed[k]:.6f}, the uninterrupted run {whole[k]:.6f} "
-                f"(relative difference {off:.1e}): resume is not exact. The checkpoint step{last} must hold the "
-                f"weights and optimizer state after the update of step {last} (save after opt.step()), loaded with "
-                f"zerokit.checkpoint.load before the first step, and the resumed run must draw the batch of each step "
-                f"from index {last} on (global_batch of the step, whatever the world size)")
+    _no_early_rank(again, f"the run resumed on {resume_world_size} rank{'s' if resume_world_size > 1 else ''}")
+    wrong = [k for k in range(last + 1, steps + 1) if not _close(resumed[k], whole[k])]
+    if wrong:
+        k = wrong[0]
+        off = abs(resumed[k] - whole[k]) / abs(whole[k])
+        said = (f"step {k} of the resumed run ({where}) has loss {resumed[k]:.6f}, the uninterrupted run "
+                f"{whole[k]:.6f} (relative difference {off:.1e}): resume is not exact")
+        why = _why_not_exact(again[0], loop, stage, world_size, resume_world_size, steps, accum, batch, last, whole,
+                             timeout, root)
+        raise CheckFailed(f"{said}: {why}")
     passed(f"killed after step {stop} ({world_size} ranks, stage {stage}, a checkpoint every {every} steps) and resumed "
-           f"on {resume_world_size}: steps {last + 1}-{steps} follow the uninterrupted run within {RTOL:g}")
+           f"on {resume_world_size}: steps {last + 1}-{steps} follow the uninterrupted run within {RTOL:g}; every rank "
+           f"went on from a save only once its train.json existed (rank 0 held {SLOW_RANK0:g} s in each save)")
+
+
+def _no_early_rank(results, run):
+    """CheckFailed if a rank went on from a save (its next forward, or returning) before the train.json of
+    that checkpoint existed."""
+    __tracebackhide__ = True
+    for rank, seen in enumerate(results):
+        if seen["early"]:
+            name, what = seen["early"]
+            raise CheckFailed(
+                f"in {run}, rank {rank} {what} while {name} had no train.json yet (the check held rank 0 "
+                f"{SLOW_RANK0:g} s in its save, as a busy disk does): until rank 0 has written it the checkpoint "
+                "is not usable (last_checkpoint skips it), and if the job dies then (a rank that went on fails, "
+                f"and the launcher stops the others) {name} is lost though every rank saved it. After rank 0 has "
+                "written train.json, every rank waits at a barrier (dist.barrier())")
+
+
+def _why_not_exact(seen, loop, stage, world_size, resume_world_size, steps, accum, batch, last, whole, timeout, root):
+    """What the check measured about a resumed run that does not follow the uninterrupted one: the first
+    thing found wrong, or, when none is, what was found right."""
+    __tracebackhide__ = True
+    if not seen["loads"]:
+        return (f"the resumed run never called zerokit.checkpoint.load, so it trained from step index {last} on "
+                "with the weights it was built with: load the checkpoint into the model and the optimizer before "
+                "the first step")
+    cfg = make_config(stage=stage, accum=accum, steps=steps, batch=batch)
+    x, _ = zerokit_train.global_batch(_text(cfg), last, batch, cfg.seq_len, cfg.seed)
+    if seen["first"] is not None and not set(_rows(seen["first"])) <= set(_rows(x)):
+        return (f"its first forward ran on sequences that are not in the batch of step index {last} "
+                f"(global_batch(text, {last}, ...)), the first step after the checkpoint")
+    other = make_config(stage=stage, accum=accum, steps=steps, batch=batch, checkpoint_dir=root / "none")
+    there = run_on_ranks(_resume_case, resume_world_size, args=(loop, other), timeout=timeout, forbid_adam=False,
+                         what=f"your train_loop (uninterrupted, on {resume_world_size} ranks)")[0]["losses"]
+    differ = [k for k in sorted(whole) if k in there and not _close(there[k], whole[k])]
+    if differ:
+        k = differ[0]
+        return (f"run uninterrupted, your loop's losses depend on the number of ranks: step {k} gives "
+                f"{whole[k]:.6f} on {world_size} ranks and {there[k]:.6f} on {resume_world_size}, so no resume on "
+                f"another world size can follow it (the losses and data tests say where a loop departs from the "
+                "whole-batch reference)")
+    return (f"what was measured right: step{last} was saved after {last} optimizer steps, the resumed run loaded "
+            f"it and began with step index {last}'s batch, and uninterrupted your loop gives the same losses on "
+            f"{world_size} and {resume_world_size} ranks. What differs is what the resumed run does between loading "
+            "and its first step, or after")
