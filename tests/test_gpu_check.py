@@ -2,7 +2,8 @@
 
 - without a GPU the command says so in one line and exits 0;
 - --rehearse runs every row group on the CPU (gloo; "disk" for pinned offload; the CUDA
-  counters "n/a"): the rows' own numerics, memory and checkpoint comparisons must all pass;
+  counters "n/a"): the rows' own numerics, memory and checkpoint comparisons must all pass, and
+  the odd shapes' optimizers end bitwise where torch.optim's do;
 - every CUDA branch in zerokit's source has a row (COVERS), and the scanner finds a planted one;
 - a group that raises becomes one failed row and the command exits 1; the table says so.
 """
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 from conftest import CheckFailed
-from zerokit.bench import gpu_check
+from zerokit.bench import gpu_check, odd_shapes
 from zerokit.bench.gpu_check import COVERS, GROUPS, Row, Target, cuda_branches, format_table, run_checks
 from zerokit.bench.workload import MODELS, make_model
 
@@ -51,6 +52,10 @@ def test_the_rehearsal_runs_every_row_on_the_cpu(tmp_path):
         assert f"bench N=1 zerokit-{stage} (cpu)" in paths and f"bench N=1 wrapper-{stage} (cpu)" in paths
     assert {"launch backend=auto", "checkpoint zero2", "checkpoint zero3", "lesson 00 checks on cpu"} <= set(paths)
     assert sum(p.startswith("offload=disk") for p in paths) == len(gpu_check.OFFLOAD_RUNS)
+    # the odd shapes: every optimizer in both modes, 0 on the CPU too (ok means max |d| == 0)
+    for name in odd_shapes.OPTIMIZERS:
+        for mode in odd_shapes.MODES:
+            assert f"odd shapes {name} {mode}" in paths
     # the bytes an offload row expects to free: the paper's K Psi at N = 1 (K = 8 in fp32, 12 mixed), Psi counted
     # here on the unsharded model (the first H200 run read Psi off a ZeRO-3 model after sharding: 0)
     psi = sum(p.numel() for p in make_model(MODELS["tiny"], torch.device("cpu"), seed=0).parameters())

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 import zerokit
+from zerokit.bench import odd_shapes as odd
 from zerokit.bench.stages import STAGES, make_optimizer
 from zerokit.bench.workload import MODELS, make_model, rank_batch
 from zerokit.launcher.backend import DEVICE_ENV
@@ -494,6 +495,22 @@ def lesson_checks(target):
                 f"right: passed; CPU buffers: {slip[:110]}")]
 
 
+def odd_shapes(target):
+    """Odd sizes under deterministic algorithms: zerokit's optimizers against torch.optim's built the same way."""
+    result = _launch(odd.compare, 1)[0]
+    rows = []
+    for name, mode, value, first, aligned in result["runs"]:
+        path = f"odd shapes {name} {mode}"
+        compared = f"weights after {odd.STEPS} steps vs torch.optim built the same way, deterministic: expect 0"
+        if value is None:
+            rows.append(Row(path, compared, False, first))
+            continue
+        figure = f"max |d| {value:.1e}" + (f" (from step {first})" if first else "")
+        figure += f", LayerNorm weight {'' if aligned else 'not '}16-byte aligned"
+        rows.append(Row(path, compared, value == 0, figure))
+    return rows
+
+
 # Every CUDA branch in zerokit (cuda_branches()) -> the row group that runs it.
 COVERS = {
     "launch_auto": ["zerokit/launcher/backend.py:resolve_backend", "zerokit/launcher/backend.py:rank_device",
@@ -511,7 +528,7 @@ COVERS = {
 
 GROUPS = [("environment", environment), ("launch_auto", launch_auto), ("single_rank", single_rank),
           ("shared_gpu", shared_gpu), ("memory", memory), ("offload", offload), ("checkpoint", checkpoint),
-          ("bench", bench), ("lesson_checks", lesson_checks)]
+          ("bench", bench), ("lesson_checks", lesson_checks), ("odd_shapes", odd_shapes)]
 
 
 # ---------------------------------------------------------------------------------------
