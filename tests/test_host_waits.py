@@ -4,9 +4,9 @@ On a GPU the Python that queues the work runs ahead of it, until it reads a valu
 waits for everything queued. `.item()`, `.tolist()`, `bool(t)` (an `if` on a tensor), `float(t)`,
 `int(t)`, `.cpu()`, `.numpy()` are such reads; so is `torch.tensor(python_data, device=cuda)`,
 a copy from ordinary host memory, which CUDA makes synchronously. On the CPU nothing waits, so
-this test counts the calls instead, in the ranks, with those Tensor methods and torch.tensor
-replaced by counting ones for one whole step (forward, backward with its hooks, step, zero_grad)
-after two warm-up steps. What each class may read, and why:
+this test counts the calls instead (zerokit.bench.opcount.host_reads): in the ranks, those Tensor
+methods and torch.tensor are replaced by counting ones for one whole step (forward, backward with
+its hooks, step, zero_grad) after two warm-up steps. What each class may read, and why:
 
 | class | reads a step | why |
 |---|---|---|
@@ -23,56 +23,20 @@ DataParallel + SGD 1 and 1 per bucket (4 and 4 here).
 """
 
 import contextlib
-import sys
 
 import pytest
 import torch
 
 import zerokit
 from conftest import batch, new_model, run_ranks
+from zerokit.bench.opcount import host_reads, host_side
 from zerokit.models import loss_for
 
-READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "cpu", "numpy")
 BATCH = 6
 
 
-@contextlib.contextmanager
-def counting_host_reads():
-    """Inside, every read of a tensor's value into Python, and every torch.tensor(...) made from Python data
-    by zerokit's own code, is recorded: (what, the tensor or None, the caller's file)."""
-    seen = []
-    own = {name: name in vars(torch.Tensor) for name in READS}
-    saved = {name: getattr(torch.Tensor, name) for name in READS}
-
-    def counted(name, method):
-        def read(self, *args, **kwargs):
-            seen.append((name, self, sys._getframe(1).f_code.co_filename))
-            return method(self, *args, **kwargs)
-        return read
-
-    def upload(*args, **kwargs):
-        caller = sys._getframe(1).f_code.co_filename
-        if "/zerokit/" in caller:  # torch's own code makes CPU tensors (its host-side step counts) this way
-            seen.append(("torch.tensor", None, caller))
-        return make(*args, **kwargs)
-
-    make = torch.tensor
-    try:
-        for name in READS:
-            setattr(torch.Tensor, name, counted(name, saved[name]))
-        torch.tensor = upload
-        yield seen
-    finally:
-        torch.tensor = make
-        for name in READS:
-            if own[name]:
-                setattr(torch.Tensor, name, saved[name])
-            else:
-                delattr(torch.Tensor, name)
-
-
 def _systems():
-    """name -> (model kind, a function of the model that returns (model to call, optimizer))."""
+    """name -> a function of the model that returns (the model to call, the optimizer)."""
     def plain(make):
         return lambda model: (model, make(model))
 
@@ -96,13 +60,6 @@ def _systems():
     }
 
 
-def _step_counts(opt):
-    """The step-count tensors torch's own optimizers keep in host memory (the wrappers' local ones)."""
-    local = opt.local_optimizers() if hasattr(opt, "local_optimizers") else [opt]
-    return {id(s["step"]) for o in local if isinstance(o, torch.optim.Optimizer)
-            for s in o.state.values() if torch.is_tensor(s.get("step"))}
-
-
 def count_reads(rank, world_size, kinds):
     out = {}
     for kind in kinds:
@@ -111,13 +68,13 @@ def count_reads(rank, world_size, kinds):
             for step in range(3):
                 x, y = batch(kind, step, BATCH)
                 x, y = x[rank::world_size], y[rank::world_size]
-                with counting_host_reads() if step == 2 else contextlib.nullcontext() as seen:
+                with host_reads() if step == 2 else contextlib.nullcontext() as seen:
                     loss_for(kind, model(x), y).backward()
                     opt.step()
                     opt.zero_grad()
-            host_side = _step_counts(opt)
+            skip = host_side(opt)
             out[(kind, name)] = [(what, file.rpartition("/zerokit/")[2] or file) for what, t, file in seen
-                                 if t is None or id(t) not in host_side]
+                                 if t is None or id(t) not in skip]
     return out
 
 
