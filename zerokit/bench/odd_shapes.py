@@ -17,7 +17,8 @@ algorithms, where the CPU is bitwise. Two causes, each a different kernel for th
   takes its two-pass kernel instead of the vectorised one (layer_norm_kernel.cu, `can_vec_gamma`),
   which rounds the mean and variance differently. Every optimizer then sees other gradients: SGD's
   2.4e-7 is that alone. zerokit.flat aligns every parameter (issue 39, 3), so the row's figure says
-  whether the LayerNorm weight was aligned.
+  whether the LayerNorm weight was aligned. (The other rows' models never show it: their widths,
+  22 to 1022, are not multiples of 4, and LayerNorm takes the two-pass kernel for them anyway.)
 
 Each row: one rank on the check's device, `torch.use_deterministic_algorithms(True)`, 20 steps of the
 same batches from the same initial weights; the figure is the largest |difference| of any weight,
