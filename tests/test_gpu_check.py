@@ -81,7 +81,8 @@ def test_a_lessons_failing_check_is_its_cells_failure_and_the_device_is_put_back
     from zerokit.bench import lesson_grades
     from zerokit.launcher.backend import DEVICE_ENV
 
-    cells = [(None, False, "import os\nseen = os.environ['ZEROKIT_DEVICE']"), ("test_right", True, "assert seen == 'cpu'"),
+    cells = [(None, False, "import os\nseen = os.environ['ZEROKIT_DEVICE']"),
+             ("test_right", True, "assert seen == 'cpu'"),
              ("test_wrong", True, "raise ValueError('the reason\\nand more')"),
              ("test_questions", True, "questions.check(answers)"),  # no device: not run
              (None, False, "raise RuntimeError('a definition failed')"), ("test_after", True, "pass")]
