@@ -2,12 +2,15 @@
 
 - without a GPU the command says so in one line and exits 0;
 - --rehearse runs every row group on the CPU (gloo; "disk" for pinned offload; the CUDA
-  counters "n/a"): the rows' own numerics, memory and checkpoint comparisons must all pass;
+  counters "n/a"): the rows' own numerics, memory and checkpoint comparisons must all pass, the
+  odd shapes' optimizers end bitwise where torch.optim's do, and one lesson's graded checks (02:
+  make test grades every solution notebook already) pass through the group's own plumbing;
 - every CUDA branch in zerokit's source has a row (COVERS), and the scanner finds a planted one;
 - a group that raises becomes one failed row and the command exits 1; the table says so.
 """
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +19,7 @@ import pytest
 import torch
 
 from conftest import CheckFailed
-from zerokit.bench import gpu_check
+from zerokit.bench import gpu_check, odd_shapes
 from zerokit.bench.gpu_check import COVERS, GROUPS, Row, Target, cuda_branches, format_table, run_checks
 from zerokit.bench.workload import MODELS, make_model
 
@@ -38,7 +41,7 @@ def test_without_a_gpu_it_says_so_in_one_line_and_exits_0():
 
 @pytest.mark.distributed
 def test_the_rehearsal_runs_every_row_on_the_cpu(tmp_path):
-    done = _command("--rehearse", "--out", str(tmp_path), timeout=400)
+    done = _command("--rehearse", "--out", str(tmp_path), "--lessons", "02", timeout=400)
     report = json.loads((tmp_path / "gpu-check.json").read_text())
     failed = [r for r in report["rows"] if not r["ok"]]
     assert done.returncode == 0 and not failed, done.stdout[-4000:] + done.stderr[-2000:]
@@ -49,8 +52,14 @@ def test_the_rehearsal_runs_every_row_on_the_cpu(tmp_path):
         assert f"gloo N=2 on cpu {stage} fp32" in paths
         assert f"memory N=2 {stage}" in paths
         assert f"bench N=1 zerokit-{stage} (cpu)" in paths and f"bench N=1 wrapper-{stage} (cpu)" in paths
-    assert {"launch backend=auto", "checkpoint zero2", "checkpoint zero3", "lesson 00 checks on cpu"} <= set(paths)
+    assert {"launch backend=auto", "checkpoint zero2", "checkpoint zero3", "lesson 00 checks on cpu",
+            "lesson 02 checks on cpu"} <= set(paths)
+    assert not any(p.startswith("lesson 03") for p in paths)  # --lessons 02: that lesson's graded checks only
     assert sum(p.startswith("offload=disk") for p in paths) == len(gpu_check.OFFLOAD_RUNS)
+    # the odd shapes: every optimizer in both modes, 0 on the CPU too (ok means max |d| == 0)
+    for name in odd_shapes.OPTIMIZERS:
+        for mode in odd_shapes.MODES:
+            assert f"odd shapes {name} {mode}" in paths
     # the bytes an offload row expects to free: the paper's K Psi at N = 1 (K = 8 in fp32, 12 mixed), Psi counted
     # here on the unsharded model (the first H200 run read Psi off a ZeRO-3 model after sharding: 0)
     psi = sum(p.numel() for p in make_model(MODELS["tiny"], torch.device("cpu"), seed=0).parameters())
@@ -66,6 +75,35 @@ def test_the_rehearsal_runs_every_row_on_the_cpu(tmp_path):
         assert (r["comm"] is None) == (sent[r["peer"]] == 0), r
     # the same table on stdout, ending in the verdict
     assert done.stdout.rstrip().endswith(f"{len(paths)} of {len(paths)} rows ok")
+
+
+def test_a_lessons_failing_check_is_its_cells_failure_and_the_device_is_put_back(monkeypatch):
+    from zerokit.bench import lesson_grades
+    from zerokit.launcher.backend import DEVICE_ENV
+
+    cells = [(None, False, "import os\nseen = os.environ['ZEROKIT_DEVICE']"),
+             ("test_right", True, "assert seen == 'cpu'"),
+             ("test_wrong", True, "raise ValueError('the reason\\nand more')"),
+             ("test_questions", True, "questions.check(answers)"),  # no device: not run
+             (None, False, "raise RuntimeError('a definition failed')"), ("test_after", True, "pass")]
+    monkeypatch.setattr(lesson_grades, "_cells", lambda lesson: cells)
+    monkeypatch.delenv(DEVICE_ENV, raising=False)
+    got = [(cell, ok, reason) for cell, ok, reason, _ in lesson_grades.run_lesson("02_distributed_adam", "cpu")]
+    assert got == [("test_right", True, None), ("test_wrong", False, "ValueError: the reason"),
+                   ("setup", False, "RuntimeError: a definition failed")]
+    assert DEVICE_ENV not in os.environ
+
+
+def test_the_lessons_cells_are_the_autograders_without_hidden_tests_or_magics():
+    from zerokit.bench import lesson_grades
+
+    cells = lesson_grades._cells("03_zero1")
+    graded = [cell for cell, is_graded, _ in cells if is_graded]
+    assert "test_zero1_numerics" in graded and "test_zero1_memory" in graded
+    text = "\n".join(source for *_, source in cells)
+    assert "lesson03.check_numerics(MyZeRO1Adam" in text and "class MyZeRO1Adam" in text
+    assert "HIDDEN TESTS" not in text and "%matplotlib" not in text
+    assert lesson_grades.MEASUREMENT not in text
 
 
 def test_every_cuda_branch_of_zerokit_has_a_row():

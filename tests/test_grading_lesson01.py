@@ -19,6 +19,7 @@ names the problem, and pass the others: one bug costs its own points only.
 | calls torch.optim.adam._single_tensor_adam in step() | numerics, contract | "torch's Adam" |
 | subclass of zerokit.Adam | numerics, contract, zero_grad | "subclasses zerokit.Adam" |
 | wraps zerokit.Adam | numerics, contract | "used zerokit's Adam" |
+| a right Adam through zerokit.multi_tensor's update | numerics, contract | "zerokit's multi-tensor Adam" |
 | formula with K = 8 in mixed precision | memory | "bytes of optimizer_states" |
 | formula from zerokit.theory_bytes | memory | "zerokit.theory_bytes" |
 | total not the sum of the categories | memory | "not the sum" |
@@ -176,6 +177,29 @@ class WrapsZeroKit(torch.optim.Optimizer):
         return self.inner.step(closure)
 
 
+class CallsZeroKitMultiTensor(torch.optim.Optimizer):
+    """Right in every respect, but the update is zerokit's multi-tensor one (what DistributedAdam runs on a GPU)."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        from zerokit.multi_tensor import adamw_multi_tensor_
+
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            states = [self.state[p] for p in params]
+            for p, state in zip(params, states):
+                if not state:
+                    state.update(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+                state["step"] += 1
+            beta1, beta2 = group["betas"]
+            adamw_multi_tensor_(params, [p.grad for p in params], [s["exp_avg"] for s in states],
+                                [s["exp_avg_sq"] for s in states], [s["step"] for s in states], lr=group["lr"],
+                                beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"])
+
+
 DEFECTS = [  # (class, {check that must fail: message fragment}); every other check must pass
     (broken("no_bias_correction"), {"numerics": "WITHOUT bias correction"}),
     (broken("l2"), {"numerics": "torch.optim.Adam with weight_decay"}),
@@ -189,6 +213,7 @@ DEFECTS = [  # (class, {check that must fail: message fragment}); every other ch
     (CallsSingleTensorAdam, {"numerics": "torch's Adam", "contract": "torch's Adam"}),
     (SubclassesZeroKit, {name: "subclasses zerokit.Adam" for name in CHECKS}),
     (WrapsZeroKit, {"numerics": "used zerokit's Adam", "contract": "used zerokit's Adam"}),
+    (CallsZeroKitMultiTensor, {"numerics": "zerokit's multi-tensor Adam", "contract": "zerokit's multi-tensor Adam"}),
 ]
 
 

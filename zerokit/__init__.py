@@ -3,6 +3,7 @@
 The course, one module per idea, in lesson order (each a small step from the last):
 
     adam             01  Adam/AdamW by hand, a torch.optim.Optimizer
+    multi_tensor     01+ the same update on many tensors at once (torch's _foreach_ operations): a GPU's default
     ddp              02  DistributedAdam: all-reduce the mean gradient
     flat, zero1      03  flat padded buffers cut into N shards; ZeRO-1 shards Adam's state
     elementwise      03  ZeRO1/ZeRO2 with any elementwise torch optimizer (why they shard for free)

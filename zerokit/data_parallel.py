@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .ddp import broadcast_parameters
+from .ddp import broadcast_parameters, device_flags
 from .flat import make_buckets
 from .zero1 import weak_hook
 
@@ -87,7 +87,7 @@ class DataParallel(nn.Module):
                 # weak: the parameter holds the hook, and must not keep this wrapper alive
                 p.register_post_accumulate_grad_hook(weak_hook(self._on_grad_ready))
         self._sync = True  # False inside no_sync()
-        self._in_flight = []  # (work, bucket index, flat copy), oldest first
+        self._in_flight = []  # (work, bucket index, flat copy, every gradient here), oldest first
         self._begin_backward()
 
     def forward(self, *args, **kwargs):
@@ -132,17 +132,16 @@ class DataParallel(nn.Module):
         """Start bucket bi's all-reduce. The .grad each parameter holds now is its whole local
         gradient: this backward's share plus what no_sync() (or an earlier backward without
         zero_grad) accumulated, so the sum is reduced once, and a parameter that got nothing
-        this time still sends what it holds, as the other ranks do."""
+        this time still sends what it holds, as the other ranks do.
+
+        On a GPU nothing here waits for it: the gradients go in with one concatenation, not a
+        copy per parameter, and the presence slots are filled on the device (device_flags)."""
         bucket = self.buckets[bi]
-        p0 = bucket.params[0]
-        flat = torch.zeros(bucket.numel + len(bucket.params), dtype=p0.dtype, device=p0.device)
-        for view, p in zip(bucket.views(flat), bucket.params):
-            if p.grad is not None:
-                view.copy_(p.grad)
-        presence = flat[bucket.numel:]
-        presence.copy_(torch.tensor([p.grad is not None for p in bucket.params], dtype=flat.dtype))
+        here = [p.grad is not None for p in bucket.params]
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in bucket.params]
+                         + [device_flags(here, bucket.params[0].dtype, bucket.params[0].device)])
         work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-        self._in_flight.append((work, bi, flat))
+        self._in_flight.append((work, bi, flat, all(here)))
         self._next = bi + 1
         while len(self._in_flight) > self.max_in_flight:
             self._receive()
@@ -150,19 +149,25 @@ class DataParallel(nn.Module):
     @torch.no_grad()
     def _receive(self):
         """Wait for the oldest bucket and write its mean into .grad (writing now is safe: a
-        parameter's hook runs after autograd's last write to its .grad in this backward)."""
-        work, bi, flat = self._in_flight.pop(0)
+        parameter's hook runs after autograd's last write to its .grad in this backward).
+
+        The presence counts are read back (on a GPU, a wait for everything queued) only where
+        some parameter of the bucket had no gradient here: a gradient here is a count of 1 at least."""
+        work, bi, flat, all_here = self._in_flight.pop(0)
         work.wait()
         bucket = self.buckets[bi]
-        counts = flat[bucket.numel:].tolist()
+        counts = [1] * len(bucket.params) if all_here else flat[bucket.numel:].tolist()
         flat[:bucket.numel].div_(self.world_size)
+        keep = []
         for view, p, count in zip(bucket.views(flat), bucket.params, counts):
             if count == 0:
                 p.grad = None  # no rank had one: as on one process, the optimizer skips it
             elif p.grad is None:
                 p.grad = view.clone()  # a copy, not a view: the flat buffer is freed
             else:
-                p.grad.copy_(view)
+                keep.append((p.grad, view))
+        if keep:  # one multi-tensor copy, not one per parameter
+            torch._foreach_copy_([g for g, _ in keep], [v for _, v in keep])
 
     def _drain(self):
         while self._in_flight:

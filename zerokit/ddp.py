@@ -13,6 +13,13 @@ reduce-scatter plus an all-gather: 2 * Psi * (N-1)/N elements sent per rank.
 Mixed precision (`precision=MixedPrecision(...)`, lesson 06): the parameters become 16-bit,
 the optimizer keeps an fp32 master copy of each, and the unchanged Adam above updates the
 masters (see zerokit.mixed_precision).
+
+Beyond the lesson, on a GPU: lesson 01's Adam goes one parameter at a time, about eight kernels
+each; `foreach` (torch.optim.AdamW's option, and its default) runs the same update on all of
+them at once (zerokit.multi_tensor). And a GPU runs ahead of the Python that queues its work
+until something reads a GPU tensor back (`.item()`, `.tolist()`, `if tensor:`, a blocking copy):
+then the host waits for everything queued. A step here reads nothing back unless some
+parameter has no gradient on this rank (see average_gradients).
 """
 
 import torch
@@ -20,8 +27,9 @@ import torch.distributed as dist
 
 from .adam import Adam
 from .mixed_precision import precision_state
+from .multi_tensor import adamw_multi_tensor_, default_foreach
 
-__all__ = ["DistributedAdam", "broadcast_parameters", "average_gradients"]
+__all__ = ["DistributedAdam", "broadcast_parameters", "average_gradients", "device_flags"]
 
 
 @torch.no_grad()
@@ -34,6 +42,21 @@ def broadcast_parameters(params, group=None):
         dist.broadcast(p.data, src=src, group=group)
 
 
+def device_flags(flags, dtype, device):
+    """A list of bools as a tensor on `device`, 1 for True, made without copying from the host.
+
+    torch.tensor(flags, device=...) would copy from ordinary (pageable) host memory, which CUDA does
+    synchronously: the host waits for the GPU to finish what is queued. A fill per run of equal
+    flags (usually one or two) queues like any other operation."""
+    out = torch.empty(len(flags), dtype=dtype, device=device)
+    start = 0
+    for i in range(1, len(flags) + 1):
+        if i == len(flags) or flags[i] != flags[start]:
+            out[start:i].fill_(1 if flags[start] else 0)
+            start = i
+    return out
+
+
 @torch.no_grad()
 def average_gradients(params, group=None, reduce_dtype=None):
     """All-reduce the mean gradient of `params` in one collective per dtype.
@@ -44,7 +67,9 @@ def average_gradients(params, group=None, reduce_dtype=None):
     A parameter with no gradient on some rank counts as zero there. The flat buffer carries
     one extra slot per parameter that counts the ranks which did produce a gradient: a
     parameter no rank used keeps .grad = None and is skipped by Adam, exactly as when a
-    single process trains on the whole batch.
+    single process trains on the whole batch. The counts are read only where this rank has no
+    gradient for some parameter: a gradient here means a count of at least 1, and on a GPU the
+    read would wait for the all-reduce and everything before it.
     """
     world = dist.get_world_size(group)
     by_dtype = {}
@@ -52,24 +77,28 @@ def average_gradients(params, group=None, reduce_dtype=None):
         if p.requires_grad:
             by_dtype.setdefault((reduce_dtype or p.dtype, p.device), []).append(p)
     for (dtype, device), ps in by_dtype.items():
+        here = [p.grad is not None for p in ps]
         flat = torch.cat(
             [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(dtype) for p in ps]
-            + [torch.tensor([float(p.grad is not None) for p in ps], dtype=dtype, device=device)]
+            + [device_flags(here, dtype, device)]
         )
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-        counts = flat[-len(ps):]
-        offset = 0
-        for p, count in zip(ps, counts.tolist()):
+        total = flat.numel() - len(ps)
+        flat[:total].div_(world)  # the mean, in one operation for every parameter
+        counts = here if all(here) else flat[total:].tolist()
+        offset, keep = 0, []
+        for p, count in zip(ps, counts):
             n = p.numel()
+            mean = flat[offset:offset + n].view_as(p)
             if count == 0:
                 p.grad = None
+            elif p.grad is None:
+                p.grad = mean.to(p.dtype, copy=True)
             else:
-                mean = flat[offset:offset + n].view_as(p).div_(world)
-                if p.grad is None:
-                    p.grad = mean.to(p.dtype, copy=True)
-                else:
-                    p.grad.copy_(mean)
+                keep.append((p.grad, mean))
             offset += n
+        if keep:  # one multi-tensor copy, not one per parameter
+            torch._foreach_copy_([g for g, _ in keep], [m for _, m in keep])
 
 
 class DistributedAdam(Adam):
@@ -78,14 +107,17 @@ class DistributedAdam(Adam):
     Use inside an initialised process group. The parameters are broadcast from rank 0
     when the optimizer is built, so every replica starts from the same weights.
     precision: a zerokit.MixedPrecision for 16-bit weights and gradients (None: fp32).
+    foreach: as torch.optim.AdamW's. None: its default for these parameters, the multi-tensor
+        update on a GPU (zerokit.multi_tensor) and lesson 01's loop on a CPU; True or False: that one.
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, group=None,
-                 precision=None):
+                 precision=None, foreach=None):
         if not dist.is_initialized():
             raise RuntimeError("DistributedAdam needs torch.distributed to be initialised (see zerokit.launch)")
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         self.group = group
+        self.foreach = foreach  # beyond the lesson: None, torch.optim.AdamW's default (see _update)
         self._averaged = False  # set by clip_grad_norm_, which must average first
         broadcast_parameters(self._params(), group)
         # lesson 06: the dtypes and the loss scale (fp32: FullPrecision, which does nothing), and
@@ -95,6 +127,28 @@ class DistributedAdam(Adam):
 
     def _params(self):
         return [p for g in self.param_groups for p in g["params"]]
+
+    @torch.no_grad()
+    def _update(self):
+        """Lesson 01's Adam on every parameter with a gradient; beyond the lesson, where torch.optim.AdamW
+        would take its multi-tensor version (foreach), the same update one param group at a time."""
+        foreach = self.foreach if self.foreach is not None else default_foreach(self._params())
+        if not foreach:
+            return super()._update()
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if any(p.grad.is_sparse for p in params):
+                raise RuntimeError("zerokit.DistributedAdam does not support sparse gradients")
+            states = [self.state[p] for p in params]
+            for p, state in zip(params, states):
+                if not state:  # as zerokit.Adam: zero moments, made at a parameter's first update
+                    state.update(step=0, exp_avg=torch.zeros_like(p, memory_format=torch.preserve_format),
+                                 exp_avg_sq=torch.zeros_like(p, memory_format=torch.preserve_format))
+                state["step"] += 1
+            beta1, beta2 = group["betas"]
+            adamw_multi_tensor_(params, [p.grad for p in params], [s["exp_avg"] for s in states],
+                                [s["exp_avg_sq"] for s in states], [s["step"] for s in states], lr=group["lr"],
+                                beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"])
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -30,9 +30,10 @@ import torch.distributed as dist
 
 from .adam import adamw_update_, check_hyperparameters
 from .collectives import all_gather, reduce_scatter  # torch's, but direct on gloo (the ring's bytes)
-from .ddp import broadcast_parameters
+from .ddp import broadcast_parameters, device_flags
 from .flat import FlatBucket, make_buckets
 from .mixed_precision import precision_state
+from .multi_tensor import adamw_multi_tensor_, default_foreach
 from .offload import offload_place
 
 __all__ = ["ZeRO1Adam", "ShardedAdamState", "StateShard", "weak_hook"]
@@ -59,12 +60,15 @@ class ShardedAdamState:
 
     Per-parameter step counts keep the bias correction right when a parameter has no
     gradient in some step (torch.optim.AdamW then skips it, state and all).
+    foreach (beyond the exercise): update the shard's runs with one multi-tensor call
+    (zerokit.multi_tensor), as torch.optim.AdamW(foreach=True) would update the parameters.
     """
 
     CPU_CHUNK = 1 << 16  # elements per Adam call on a CPU (see update)
 
-    def __init__(self, bucket: FlatBucket, place):
+    def __init__(self, bucket: FlatBucket, place, foreach=False):
         self.bucket = bucket
+        self.foreach = foreach
         # lesson 08: where m, v and the master live (zerokit.offload: here, on disk, in pinned host memory)
         self.place = place
         self.exp_avg = place.new_tensor("exp_avg", bucket.shard_numel)
@@ -95,6 +99,13 @@ class ShardedAdamState:
             if has_grad:
                 self.steps[i] += 1
         beta1, beta2 = group["betas"]
+        if self.foreach and not self.place.offloaded:  # beyond the exercise: every run at once
+            runs = list(self._runs(present))
+            adamw_multi_tensor_(*([t[lo:hi] for lo, hi, _ in runs]
+                                  for t in (param_shard, grad_shard, self.exp_avg, self.exp_avg_sq)),
+                                [step for _, _, step in runs], lr=group["lr"], beta1=beta1, beta2=beta2,
+                                eps=group["eps"], weight_decay=group["weight_decay"])
+            return
         place = self.place  # lesson 08: offloaded state is streamed, a chunk at a time
         param_shard, grad_shard = place.begin(self, param_shard, grad_shard)
         # On a CPU, cut the shard into chunks. adamw_update_ allocates temporaries as large as
@@ -143,6 +154,9 @@ class ZeRO1Adam(torch.optim.Optimizer):
     offload: where the optimizer state lives (lesson 08): None (here), "disk" (memory-mapped
         files, streamed through Adam), "cpu" (pinned host memory, the step on the CPU; GPU
         runs), or a zerokit.offload.Offload.
+    foreach: as torch.optim.AdamW's. None: its default for these parameters, the multi-tensor
+        update on a GPU (zerokit.multi_tensor) and lesson 01's update per run of the shard on a CPU.
+        An offloaded state is always streamed through lesson 01's update.
     """
 
     # Whether a subclass reduce-scatters the gradients during backward (ZeRO-2 and 3 do).
@@ -155,11 +169,12 @@ class ZeRO1Adam(torch.optim.Optimizer):
     bucket_mb = None
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, group=None,
-                 precision=None, offload=None, bucket_mb=None):
+                 precision=None, offload=None, bucket_mb=None, foreach=None):
         check_hyperparameters(lr, betas, eps, weight_decay)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         if bucket_mb is not None:  # else the class's, or what a subclass set before calling this
             self.bucket_mb = bucket_mb
+        self.foreach = foreach
         self._shard(group, precision, offload)
 
     def _shard(self, group, precision, offload):
@@ -212,7 +227,9 @@ class ZeRO1Adam(torch.optim.Optimizer):
 
     def _new_state(self, bucket):
         """This rank's optimizer state for one bucket: Adam's m and v of its shard."""
-        return ShardedAdamState(bucket, place=self.offload)
+        # beyond the exercise: torch.optim.AdamW's foreach default, decided on the parameters themselves
+        foreach = self.foreach if self.foreach is not None else default_foreach(bucket.params)
+        return ShardedAdamState(bucket, place=self.offload, foreach=foreach)
 
     def _make_buckets(self, params):
         if self.bucket_mb is None:
@@ -342,14 +359,18 @@ class ZeRO1Adam(torch.optim.Optimizer):
         """Which parameters got a gradient on at least one rank: one tiny all-reduce (MAX).
         Beyond the exercise (bucket_mb): _early_shards has already asked, with its own flags."""
         present, self._present = self._present, None
-        return present if present is not None else self._any_rank(has_grad)
+        return present if present is not None else self._any_rank(has_grad, read_if_all_true=False)
 
-    def _any_rank(self, flag_lists):
-        """Lists of flags, each True where it is True on some rank: one all-reduce (MAX) for them all."""
-        flags = torch.tensor([f for fs in flag_lists for f in fs], dtype=torch.uint8,
-                             device=self.buckets[0].params[0].device)
+    def _any_rank(self, flag_lists, read_if_all_true=True):
+        """Lists of flags, each True where it is True on some rank: one all-reduce (MAX) for them all.
+
+        read_if_all_true=False: where every flag is True here, the answer is every flag True, known
+        without reading the all-reduced flags back (on a GPU a read waits for everything queued)."""
+        local = [f for fs in flag_lists for f in fs]
+        flags = device_flags(local, torch.uint8, self.buckets[0].params[0].device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
-        every = flags.bool().tolist()  # once: on a GPU each read waits for everything queued before it
+        # every rank takes part in the all-reduce, whether or not it reads the result
+        every = local if all(local) and not read_if_all_true else flags.bool().tolist()
         out, i = [], 0
         for fs in flag_lists:
             out.append(every[i:i + len(fs)])

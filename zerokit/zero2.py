@@ -63,9 +63,9 @@ class ZeRO2Adam(ZeRO1Adam):
     reduces_in_backward = True  # tells ZeRO1Adam: the hooks below reduce the gradients, step() finds them ready
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
-                 bucket_mb=25.0, group=None, precision=None, offload=None):
+                 bucket_mb=25.0, group=None, precision=None, offload=None, foreach=None):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, group=group,
-                         precision=precision, offload=offload, bucket_mb=bucket_mb)
+                         precision=precision, offload=offload, bucket_mb=bucket_mb, foreach=foreach)
 
     def _shard(self, group, precision, offload):
         self.grad_shards = []  # this rank's shard of the mean gradient, per bucket

@@ -144,7 +144,7 @@ class ShardedParameters(ZeRO2Adam):
     """
 
     def __init__(self, module, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
-                 units=None, prefetch=True, group=None, precision=None, offload=None):
+                 units=None, prefetch=True, group=None, precision=None, offload=None, foreach=None):
         if not isinstance(module, nn.Module):  # beyond the exercise: a clear message
             raise TypeError(f"{type(self).__name__} takes the model (an nn.Module), not its parameters: "
                             "it hooks each module's forward to gather the weights")
@@ -153,7 +153,7 @@ class ShardedParameters(ZeRO2Adam):
         self._unit_of = assign_units(self.units)  # parameter -> the index of its unit
         # bucket_mb is unused here: a bucket is a unit, sent when the unit's gradients are in
         super().__init__(module.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, group=group,
-                         precision=precision, offload=offload)
+                         precision=precision, offload=offload, foreach=foreach)
         self.bucket_units = [self._unit_of[b.params[0]] for b in self.buckets]  # bucket -> the index of its unit
         self._buckets_of_unit = [[bi for bi, v in enumerate(self.bucket_units) if v == u]
                                  for u in range(len(self.units))]
@@ -305,9 +305,9 @@ class ZeRO3Adam(ShardedParameters):
     """
 
     def __init__(self, module, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
-                 units=None, prefetch=True, group=None, precision=None, offload=None):
+                 units=None, prefetch=True, group=None, precision=None, offload=None, foreach=None):
         super().__init__(module, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, units=units,
-                         prefetch=prefetch, group=group, precision=precision, offload=offload)
+                         prefetch=prefetch, group=group, precision=precision, offload=offload, foreach=foreach)
         install_unit_hooks(self)
 
     def _record(self, u, module, args):

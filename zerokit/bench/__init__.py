@@ -40,6 +40,12 @@ The demo measures zerokit's stages alone, beside the ZeRO paper's theory
     demo.py        `make demo`: memory by category at rest and at its peak, traffic per step
     buffers.py     what ZeRO-2/3 hold beyond the paper's table, derived from buckets and units
 
+`make gpu-check` (gpu_check.py) runs every CUDA path of the course on one GPU, with:
+
+    odd_shapes.py     zerokit's optimizers against torch.optim's on odd sizes, bit for bit
+    lesson_grades.py  the lessons' graded checks with the ranks' tensors on the device
+    opcount.py        what one step asks of a GPU (operations, host reads), counted on the CPU
+
 This file imports nothing: importing one module of the package (the demo's workers import
 the stage factory) should not pay for FSDP and the rest of the bench.
 """

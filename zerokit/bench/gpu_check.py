@@ -40,6 +40,8 @@ import torch
 import torch.distributed as dist
 
 import zerokit
+from zerokit.bench import lesson_grades
+from zerokit.bench import odd_shapes as odd
 from zerokit.bench.stages import STAGES, make_optimizer
 from zerokit.bench.workload import MODELS, make_model, rank_batch
 from zerokit.launcher.backend import DEVICE_ENV
@@ -66,9 +68,10 @@ class Row:
 
 @dataclass(frozen=True)
 class Target:
-    """Where the rows run: "cuda" (the check) or "cpu" (--rehearse)."""
+    """Where the rows run: "cuda" (the check) or "cpu" (--rehearse); whose graded checks run (lesson_grades)."""
 
     device: str
+    lessons: tuple = lesson_grades.LESSONS
 
     @property
     def gpu(self):
@@ -94,9 +97,10 @@ def _batch(rank, world_size, device):
 
 
 def _reference(device):
-    """One process, torch.optim.AdamW (foreach=False), the whole batch: losses and final weights."""
+    """One process, torch.optim.AdamW, the whole batch: losses and final weights. AdamW's default implementation
+    for the device (multi-tensor on CUDA), as zerokit's stages take theirs (zerokit.multi_tensor)."""
     model = build_model(KIND).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, foreach=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
     x, y = _batch(0, 1, device)
     losses = []
     for _ in range(STEPS):
@@ -494,6 +498,36 @@ def lesson_checks(target):
                 f"right: passed; CPU buffers: {slip[:110]}")]
 
 
+def lesson_grades_on_device(target):
+    """Lessons 01-09: the solutions' graded checks (visible ones) with the ranks' tensors on the device."""
+    rows = []
+    for lesson in target.lessons:
+        results = lesson_grades.run_lesson(lesson, target.device)
+        failed = [f"{cell}: {reason}" for cell, ok, reason, _ in results if not ok]
+        seconds = sum(t for *_, t in results)
+        figure = f"{len(results) - len(failed)} of {len(results)} graded cells pass, {seconds:.1f} s"
+        rows.append(Row(f"lesson {lesson[:2]} checks on {target.device}",
+                        "the solution's graded checks, ZEROKIT_DEVICE: every cell passes", bool(results) and not failed,
+                        figure + ("; " + "; ".join(failed) if failed else "")))
+    return rows
+
+
+def odd_shapes(target):
+    """Odd sizes under deterministic algorithms: zerokit's optimizers against torch.optim's built the same way."""
+    result = _launch(odd.compare, 1)[0]
+    rows = []
+    for name, mode, value, first, aligned in result["runs"]:
+        path = f"odd shapes {name} {mode}"
+        compared = f"weights after {odd.STEPS} steps vs torch.optim built the same way, deterministic: expect 0"
+        if value is None:
+            rows.append(Row(path, compared, False, first))
+            continue
+        figure = f"max |d| {value:.1e}" + (f" (from step {first})" if first else "")
+        figure += f", LayerNorm weight {'' if aligned else 'not '}16-byte aligned"
+        rows.append(Row(path, compared, value == 0, figure))
+    return rows
+
+
 # Every CUDA branch in zerokit (cuda_branches()) -> the row group that runs it.
 COVERS = {
     "launch_auto": ["zerokit/launcher/backend.py:resolve_backend", "zerokit/launcher/backend.py:rank_device",
@@ -511,7 +545,8 @@ COVERS = {
 
 GROUPS = [("environment", environment), ("launch_auto", launch_auto), ("single_rank", single_rank),
           ("shared_gpu", shared_gpu), ("memory", memory), ("offload", offload), ("checkpoint", checkpoint),
-          ("bench", bench), ("lesson_checks", lesson_checks)]
+          ("bench", bench), ("lesson_checks", lesson_checks), ("lesson_grades", lesson_grades_on_device),
+          ("odd_shapes", odd_shapes)]
 
 
 # ---------------------------------------------------------------------------------------
@@ -595,12 +630,20 @@ def main(argv=None):
     parser.add_argument("--rehearse", action="store_true", help="run every row on the CPU (gloo), for the tests")
     parser.add_argument("--groups", nargs="+", choices=[g for g, _ in GROUPS], help="only these row groups")
     parser.add_argument("--out", default="bench-results", help="folder for gpu-check.json (and the bench's JSON)")
+    parser.add_argument("--lessons", nargs="+", metavar="NN", help="whose graded checks lesson_grades runs, e.g. 02 03 "
+                        "(default: 01 to 09)")
     args = parser.parse_args(argv)
+    lessons = lesson_grades.LESSONS
+    if args.lessons:
+        lessons = tuple(next((ls for ls in lesson_grades.LESSONS if ls.startswith(n)), n) for n in args.lessons)
+        unknown = [ls for ls in lessons if ls not in lesson_grades.LESSONS]
+        if unknown:
+            parser.error(f"no such lesson: {', '.join(unknown)} (choose from {', '.join(lesson_grades.LESSONS)})")
     if not args.rehearse and not torch.cuda.is_available():
         print(f"gpu-check: no CUDA GPU visible to torch {torch.__version__} (CUDA build: {torch.version.cuda}); "
               f"nothing to check ({sys.executable}; GPU_PYTHON=... makes make gpu-check use another)")
         return 0
-    target = Target("cpu" if args.rehearse else "cuda")
+    target = Target("cpu" if args.rehearse else "cuda", lessons)
     t0 = time.perf_counter()
     rows = run_checks(target, args.out, args.groups)
     Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -27,6 +27,7 @@ import torch
 
 from .. import adam as zerokit_adam
 from .. import memory as zerokit_memory
+from .. import multi_tensor as zerokit_multi_tensor
 from ..models import OddMLP, build_model, model_loss
 from .compare import assert_close
 from .harness import CheckFailed, passed, run_on_ranks
@@ -62,8 +63,10 @@ CATEGORIES = ("parameters", "gradients", "optimizer_states")
 
 # zerokit's own answers to the exercises refuse to work inside a check (zerokit.Adam's step
 # calls adamw_update_, so refusing the function refuses the class too)
-NO_ZEROKIT_ADAM = (zerokit_adam, "adamw_update_", "your code used zerokit's Adam (zerokit.Adam or "
-                   "zerokit.adamw_update_): the exercise is to write the update yourself")
+NO_ZEROKIT_ADAM = [(zerokit_adam, "adamw_update_", "your code used zerokit's Adam (zerokit.Adam or "
+                    "zerokit.adamw_update_): the exercise is to write the update yourself"),
+                   (zerokit_multi_tensor, "adamw_multi_tensor_", "your code used zerokit's multi-tensor Adam "
+                    "(zerokit.multi_tensor): the exercise is to write the update yourself")]
 NO_ZEROKIT_THEORY = (zerokit_memory, "theory_bytes", "your code called zerokit.theory_bytes: the exercise is "
                      "to write the formula yourself")
 
@@ -239,7 +242,7 @@ def _own_state(opt, model):
 
 
 def _numerics_case(rank, world_size, cls, kind, steps, hyper, reference):
-    with refusing(NO_ZEROKIT_ADAM, everywhere=True):
+    with refusing(*NO_ZEROKIT_ADAM, everywhere=True):
         model = build_model(kind, SEED)
         opt = cls(model.parameters(), **hyper)
         slip = None  # the first mistake an update showed, even one too small to fail a comparison yet
@@ -431,7 +434,7 @@ SCENARIOS = {"groups": (_groups, "two param groups"), "scheduler": (_scheduler, 
 
 
 def _contract_case(rank, world_size, cls, kind, hyper, scenarios):
-    with refusing(NO_ZEROKIT_ADAM, everywhere=True):
+    with refusing(*NO_ZEROKIT_ADAM, everywhere=True):
         for name in scenarios:
             try:
                 SCENARIOS[name][0](cls, kind, hyper)
@@ -460,7 +463,7 @@ def check_contract(cls, model="mlp", lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weig
 
 
 def _zero_grad_case(rank, world_size, cls, kind):
-    with refusing(NO_ZEROKIT_ADAM, everywhere=True):
+    with refusing(*NO_ZEROKIT_ADAM, everywhere=True):
         model = build_model(kind, SEED)
         opt = cls(model.parameters(), **HYPER)
         batches = [global_batch(kind, s, BATCH, STREAM) for s in range(2)]
