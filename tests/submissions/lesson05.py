@@ -197,5 +197,5 @@ STUDENTS = [
     Student("rounds_the_answer", "the paper's model state given to three digits (1880 MB), the exercises right",
             {**FULL, "test_understanding": 0}, reason="zero3_mb_paper (you gave 1880)",
             cells={"sharded_parameters": SOLUTION, "my_zero3": SOLUTION,
-                   "understanding": lambda solution: solution + 'answers["zero3_mb_paper"] = 1880  # BUG: 1875\n'}),
+                   "understanding": lambda solution: solution + '\nanswers["zero3_mb_paper"] = 1880  # BUG: 1875\n'}),
 ]

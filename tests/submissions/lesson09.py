@@ -177,7 +177,8 @@ STUDENTS = [
     Student("unwaited_reduce", "the reduces started with async_op=True and never waited for",
             {**FULL, "test_muon_numerics": 0}, reason="had not been waited for",
             cells={"muon_class": UNWAITED_REDUCE, **SOLVED}),
+    # like the flat shards, its work follows the elements each rank holds: the hidden balance check fails it too
     Student("rows_per_rank", "each rank orthogonalises its own rows of every matrix (reduce and broadcast by rows)",
-            {**FULL, "test_muon_numerics": 0}, reason="Newton-Schulz of a slice",
+            {**FULL, "test_muon_numerics": 0, "test_muon_balance": 0}, reason="Newton-Schulz of a slice",
             cells={"muon_class": ROWS_PER_RANK, **SOLVED}),
 ]

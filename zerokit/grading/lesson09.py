@@ -764,7 +764,8 @@ def _balance_case(rank, world_size, cls, shapes):
         if unchanged:
             raise AssertionError(f"your step() left {unchanged} of the {len(params)} matrices unchanged")
         holders = [i for i, p in enumerate(params) if _momentum(opt, p) is not None]
-    return flops, holders, costs
+        pieces = [i for i in holders if _momentum(opt, params[i]).numel() < params[i].numel()]
+    return flops, holders, costs, pieces
 
 
 def _best_assignment(costs, world_size):
@@ -783,7 +784,7 @@ def check_balance(cls, world_size=2, shapes=((32, 32),) + ((2, 512),) * 16, time
     _check_class(cls)
     shapes = [tuple(s) for s in shapes]
     results = run_on_ranks(_balance_case, world_size, args=(cls, shapes), timeout=timeout, what=cls.__name__)
-    flops = [f for f, _, _ in results]
+    flops = [f for f, _, _, _ in results]
     mean = sum(flops) / world_size
     if mean == 0:
         raise CheckFailed("no rank multiplied a matrix in step(): no Newton-Schulz ran (muon_update_ runs it)")
@@ -793,10 +794,14 @@ def check_balance(cls, world_size=2, shapes=((32, 32),) + ((2, 512),) * 16, time
     per_rank = ", ".join(f"rank {r}: {f / 1e6:.2f} M" for r, f in enumerate(flops))
     if ratio > BALANCE_SLACK * best_ratio:
         slow = flops.index(max(flops))
-        owned = [[shapes[i] for i in h] for _, h, _ in results]
+        owned = [[shapes[i] for i in h] for _, h, _, _ in results]
         elements = [sum(a * b for a, b in o) for o in owned]
         hint = ""
-        if not any(owned):
+        if all(len(pieces) == len(shapes) for _, _, _, pieces in results):
+            hint = (" Every rank keeps a momentum for a piece of every matrix and orthogonalises that piece (Newton-Schulz "
+                    "of a slice): each rank's work follows the elements it holds, not what whole matrices cost. Give "
+                    "each matrix one owner, chosen by Newton-Schulz cost (zerokit.muon.newton_schulz_cost)")
+        elif not any(owned):
             hint = (" No rank keeps a momentum per matrix (self.state): on flat shards each rank's work follows the "
                     "elements it holds, not what whole matrices cost. Give each matrix one owner, chosen by "
                     "Newton-Schulz cost (zerokit.muon.newton_schulz_cost)")
