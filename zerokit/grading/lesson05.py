@@ -930,7 +930,7 @@ def _check_wait_order(step, waits, unit_order, unit_of_bucket, names, prefetch):
             f"step {step + 1}: in {phase}, the hooks waited for {names[bi]}'s all-gather before they had started "
             f"{names[nxt]}'s, the unit that comes next: {names[nxt]}'s transfer still overlaps {names[bi]}'s compute, "
             f"but not the wait for {names[bi]}'s own transfer, so the two travel one after the other. Where a unit's "
-            "transfer has not arrived when its turn comes (always the first unit of each phase), that wait is "
+            "transfer has not arrived when its turn comes (forward's first unit's never has), that wait is "
             "time the next transfer could have used: in _gather_unit, start the next unit's gather before waiting "
             "for this one's")
     return overlapped, checked
