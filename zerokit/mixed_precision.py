@@ -176,7 +176,10 @@ class MixedPrecisionState:
 
     @torch.no_grad()
     def fp32_gradients(self, grads):
-        """fp32 copies of the (mean) gradients, divided by the loss scale.
+        """The (mean) gradients in fp32, divided by the loss scale: a 16-bit gradient is copied,
+        an fp32 one is divided in place and handed back as itself (the callers' fp32 gradients
+        are theirs to overwrite: zerokit.train's stages 0 and 3 unscale their .grad this way).
+        Lesson 06's `unscale` exercise is another contract: it leaves its inputs untouched.
 
         With loss scaling it also decides, for all ranks at once, whether any gradient on
         any rank is inf or nan (`found_inf`): one all-reduce of one flag. Call it exactly
