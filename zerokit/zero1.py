@@ -117,13 +117,19 @@ class ShardedAdamState:
         place.end()
 
     def _runs(self, present):
-        """Contiguous [lo, hi) ranges of the shard that share one step count: usually one."""
+        """[lo, hi) ranges of the shard whose segments follow one another and share one step count:
+        usually one. A run spans the alignment's padding between two segments (zerokit.flat): its
+        weights, gradient, m and v are zeros, and Adam leaves zeros there (m = v = 0, an update of
+        0 / eps), so one call covers the shard instead of one per parameter."""
         run = None
         for s in self.bucket.segments:
             if not present[s.index]:
+                if run:  # a parameter without a gradient sits between: it is not stepped
+                    yield tuple(run)
+                run = None
                 continue
             step = self.steps[s.index]
-            if run and run[1] == s.shard_lo and run[2] == step:
+            if run and run[2] == step:
                 run[1] = s.shard_hi
             else:
                 if run:
