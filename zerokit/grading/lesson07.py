@@ -20,7 +20,9 @@ One bug costs one check. Each exercise is graded with zerokit's versions of the 
 save_shards is read back by zerokit.checkpoint.load, your map drives that loader over a
 checkpoint zerokit saved, your consolidation reads a checkpoint zerokit saved. The truth is
 what the optimizers held when they saved (read through their state_shards() contract), and
-torch.optim.AdamW on one process for the steps after a load.
+torch.optim.AdamW on one process for the steps after a load. The optimizers are built in the
+lesson's layout, shards of ceil(numel / N) and offsets end to end (zerokit.flat.aligned(1)):
+the exercises are that arithmetic, where zerokit's own buffers also align each parameter.
 """
 
 import json
@@ -35,6 +37,7 @@ import torch.distributed as dist
 from .. import checkpoint as ckpt
 from ..checkpoint.files import CheckpointError, rank_file
 from ..comm import WireCounter
+from ..flat import aligned
 from ..memory import PeakRSS
 from ..models import build_model, model_loss
 from ..zero1 import ZeRO1Adam
@@ -95,12 +98,17 @@ NO_ZEROKIT_CONSOLIDATE = [(ckpt, "consolidate", _OWN.format("consolidate") + " (
 
 
 def _make(stage, model):
-    if stage == "zero1":
-        return ZeRO1Adam(model.parameters(), **HYPER)
-    if stage == "zero2":  # small buckets: several of them, each with its own padding
-        return ZeRO2Adam(model.parameters(), bucket_mb=400 * 4 / 2**20, **HYPER)
-    if stage == "zero3":
-        return ZeRO3Adam(model, **HYPER)
+    """zerokit's optimizer for `stage`, its buckets in the lesson's layout: the lesson teaches shards of
+    S = ceil(numel / N) and offsets end to end (zerokit.flat.aligned(1)). zerokit's own aligned layout
+    (each parameter and shard on 16 bytes) loads and saves through the same metadata; the tests of
+    zerokit.checkpoint hold that."""
+    with aligned(1):
+        if stage == "zero1":
+            return ZeRO1Adam(model.parameters(), **HYPER)
+        if stage == "zero2":  # small buckets: several of them, each with its own padding
+            return ZeRO2Adam(model.parameters(), bucket_mb=400 * 4 / 2**20, **HYPER)
+        if stage == "zero3":
+            return ZeRO3Adam(model, **HYPER)
     raise ValueError(f"stage must be zero1, zero2 or zero3, not {stage!r}")
 
 
