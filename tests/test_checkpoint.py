@@ -154,7 +154,7 @@ def _save_deep(rank, world, root):
         train("mlp", model, opt, 1, 0, rank, world)
         if stage == "ddp":  # the 1/N a ZeRO-1 rank would own, built here with FlatBucket
             params = [p for p in model.parameters() if p.requires_grad]
-            b = FlatBucket(params, world, rank)
+            b = FlatBucket(params, world, rank, align_bytes=None)  # zerokit's alignment, as ZeRO-1's
             mine = [b.shard_of([p.data for p in params]), b.shard_of([opt.state[p]["exp_avg"] for p in params]),
                     b.shard_of([opt.state[p]["exp_avg_sq"] for p in params])]
             largest = 4 * b.shard_numel

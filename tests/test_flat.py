@@ -183,13 +183,15 @@ def test_dtype_and_shape_kept():
 
 def test_alignment_is_read_when_a_bucket_is_built():
     params = tensors_of([(5,), (3,)])
-    assert flat.ALIGN_BYTES == 16 and align_numel() == 8  # the default: 16 bytes, 8 elements of 16 bits
-    assert FlatBucket(params, 2, 0).offsets == [0, 8]
+    assert FlatBucket(params, 2, 0).offsets == [0, 5]  # a FlatBucket's default: lesson 03's layout
+    assert flat.ALIGN_BYTES == 16 and align_numel() == 8  # zerokit's: 16 bytes, 8 elements of 16 bits
+    assert FlatBucket(params, 2, 0, align_bytes=None).offsets == [0, 8]
     with aligned(128):
         assert align_numel() == 64
-        wide = FlatBucket(params, 2, 0)
+        wide = FlatBucket(params, 2, 0, align_bytes=None)
+        assert FlatBucket(params, 2, 0).offsets == [0, 5]
     with aligned(1):
-        plain = FlatBucket(params, 2, 0)
+        plain = FlatBucket(params, 2, 0, align_bytes=None)
     assert flat.ALIGN_BYTES == 16  # restored
     assert wide.offsets == [0, 64] and wide.shard_numel == 64
     assert plain.offsets == [0, 5] and plain.shard_numel == 4
@@ -233,33 +235,33 @@ def _flat_order(buckets):
 def test_make_buckets_cap_and_reverse_order(cap, align):
     numels = [10, 3, 17, 1, 8, 30, 2, 9]
     params = [torch.zeros(k) for k in numels]
-    with aligned(align):
-        buckets = make_buckets(params, 3, 1, bucket_numel=cap)
+    buckets = make_buckets(params, 3, 1, bucket_numel=cap, align_bytes=align)
     # every parameter exactly once, in reverse order (backward produces the last layer first)
     order = _flat_order(buckets)
     assert len(order) == len(params)
     assert [id(p) for p in order] == [id(p) for p in reversed(params)]
-    a = elements(align)
     for b in buckets:
-        assert b.align == a
-        assert b.numel <= cap or len(b.params) == 1, (cap, b.numels)  # the gaps count, the end's padding not
+        assert b.align == elements(align)
+        # the cap counts the parameters' elements (the alignment's padding comes on top)
+        assert b.param_numel == sum(b.numels) and (b.param_numel <= cap or len(b.params) == 1), (cap, b.numels)
         assert b.world_size == 3 and b.rank == 1
-    # greedy: a bucket is closed only when the next parameter, at its aligned offset, would not fit
+    # greedy: a bucket is closed only when the next parameter would not fit
     for b, nxt in zip(buckets, buckets[1:]):
-        assert math.ceil(b.numel / a) * a + nxt.numels[0] > cap
-    if cap >= expected_layout(list(reversed(numels)), 3, align)[1]:
+        assert b.param_numel + nxt.numels[0] > cap
+    if cap >= sum(numels):
         assert len(buckets) == 1
+    # which parameters share a bucket does not depend on the alignment
+    assert [b.numels for b in buckets] == [b.numels for b in make_buckets(params, 3, 1, bucket_numel=cap)]
 
 
 def test_parameter_larger_than_cap_gets_its_own_bucket():
     params = [torch.zeros(3), torch.zeros(50), torch.zeros(4), torch.zeros(5)]
-    with aligned(1):
-        buckets = make_buckets(params, 2, 0, bucket_numel=10)
+    buckets = make_buckets(params, 2, 0, bucket_numel=10)
     assert [b.numels for b in buckets] == [[5, 4], [50], [3]]
     big = [b for b in buckets if 50 in b.numels][0]
     assert len(big.params) == 1 and big.params[0] is params[1]
-    # aligned to 8 elements, 4 would start at 8 and end at 12 > 10: a bucket of its own
-    assert [b.numels for b in make_buckets(params, 2, 0, bucket_numel=10)] == [[5], [4], [50], [3]]
+    aligned_buckets = make_buckets(params, 2, 0, bucket_numel=10, align_bytes=16)  # the same buckets, padded
+    assert [b.numels for b in aligned_buckets] == [[5, 4], [50], [3]] and aligned_buckets[0].offsets == [0, 8]
 
 
 def test_make_buckets_default_one_bucket_in_order():

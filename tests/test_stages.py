@@ -80,7 +80,7 @@ def sharded_state(model, opt):
     for bucket, st in zip(opt.buckets, opt.shards):
         out.append({
             "names": [name_of[p] for p in bucket.params],
-            "numel": bucket.numel,
+            "numel": bucket.numel, "param_numel": sum(p.numel() for p in bucket.params),
             "exp_avg": st.exp_avg.clone(), "exp_avg_sq": st.exp_avg_sq.clone(), "steps": list(st.steps),
             "segments": [(s.index, s.shard_lo, s.shard_hi, s.param_lo, s.param_hi) for s in bucket.segments],
         })
@@ -335,8 +335,8 @@ def check_stage(stage, world_size):
             assert psi / n <= state_numel < psi / n + slack, (label, rank, state_numel, psi)
             if stage == "zero2":
                 assert len(rec["bucket_numels"]) >= 4, f"{label}: expected several buckets"
-                for b in rec["state"]:  # the cap holds, except for a parameter alone in its bucket
-                    assert b["numel"] <= BUCKET_NUMEL or len(b["names"]) == 1, (label, b["names"], b["numel"])
+                for b in rec["state"]:  # the cap (the parameters' elements) holds, but for a parameter alone
+                    assert b["param_numel"] <= BUCKET_NUMEL or len(b["names"]) == 1, (label, b["names"], b["numel"])
             if stage in ("zero2", "zero3"):
                 assert rec["grads_after_backward"] == [[]] * STEPS, (
                     f"{label} rank {rank}: .grad kept after backward: {rec['grads_after_backward'][0]}")

@@ -8,17 +8,19 @@ a parameter may straddle two shards, and the last shard may end in padding.
     params:   |--- w1 (5) ---|-- b1 (2) --|--- w2 (4) ---|pad|      numel 11, N = 3
     shards:   |   rank 0 (4)  |   rank 1 (4)  |   rank 2 (4)  |     padded 12, S = 4
 
-That is lesson 03's layout (`shard_range`: S = ceil(numel / N)). Production buffers add
-one rule, and so does FlatBucket: every parameter, and every shard, starts on an aligned
-boundary, ALIGN_BYTES (16) bytes at least. GPU kernels take other code paths on a
-misaligned pointer (vectorised loads want 16 bytes), and some refuse one; PyTorch's
-FSDP1 pads each parameter to 16 bytes, DeepSpeed to 16, Megatron to 128. So a parameter's
-offset is rounded up to a multiple of `align` elements, the gap before it is padding
-(zeros), and S is ceil(numel / N) rounded up to a multiple of `align` too, so that each
-rank's shard, and each segment in it, starts aligned as well:
+That is lesson 03's layout (`shard_range`: S = ceil(numel / N)), and a FlatBucket's default.
+Production buffers add one rule: every parameter, and every shard, starts on an aligned
+boundary. GPU kernels take other code paths on a misaligned pointer (vectorised loads want
+16 bytes), and some refuse one; PyTorch's FSDP1 pads each parameter to 16 bytes, DeepSpeed
+to 16, Megatron to 128. zerokit's optimizers build their buckets that way (align_bytes=None:
+ALIGN_BYTES, 16). A parameter's offset is rounded up to a multiple of `align` elements, the
+gap before it is padding (zeros), and S is ceil(numel / N) rounded up to a multiple of
+`align` too, so that each rank's shard, and each segment in it, starts aligned as well:
 
     params:   |-- w1 (5) --|pad|- b1 -|pad|-- w2 (4) --|....pad....|     align 4: offsets 0, 8, 12, numel 16
     shards:   |   rank 0 (8)    |   rank 1 (8)    |   rank 2 (8)    |     S = 8, padded 24
+
+The padding costs less than one alignment per parameter and per shard.
 
 Equal shards are what the collectives want: `reduce_scatter_single` takes N*S elements and
 hands each rank its S, `all_gather_single` does the reverse, and neither would accept a
@@ -34,12 +36,13 @@ import torch
 __all__ = ["FlatBucket", "Segment", "ALIGN_BYTES", "align_numel", "aligned", "padded_numel", "shard_range",
            "make_buckets"]
 
-# Every parameter and every shard of a FlatBucket starts on a multiple of this many bytes.
+# Every parameter and every shard of zerokit's flat buffers (the buckets its optimizers and
+# wrappers build: FlatBucket(..., align_bytes=None)) starts on a multiple of this many bytes.
 # 16: what a GPU's vectorised loads and stores want (4 floats, 8 halves), and what FSDP1 and
 # DeepSpeed pad to; Megatron pads to 128 ("helps cuBLAS pick more efficient algorithms").
 # Which of 16 and 128 is faster is measured on a GPU, not assumed: a bench sets this module
-# constant (or builds inside `aligned(128)`) before building its optimizers; a FlatBucket
-# reads it when it is built. 1 turns alignment off: lesson 03's layout.
+# constant (or builds inside `aligned(128)`) before building its optimizers; it is read when
+# a bucket is built. 1 turns alignment off: lesson 03's layout.
 ALIGN_BYTES = 16
 # The narrowest dtype one bucket's layout is used in: its 16-bit compute copy (lesson 06),
 # beside fp32 masters and gradients of the same layout. Aligned in 16-bit elements, every
@@ -48,8 +51,8 @@ NARROWEST_ITEMSIZE = 2
 
 
 def align_numel(align_bytes=None) -> int:
-    """Elements between aligned starts: align_bytes (default ALIGN_BYTES) in the narrowest dtype a
-    flat buffer holds, so that the same offsets are aligned in bf16, fp16 and fp32 alike."""
+    """Elements between aligned starts: align_bytes (None: ALIGN_BYTES, read now) in the narrowest
+    dtype a flat buffer holds, so that the same offsets are aligned in bf16, fp16 and fp32 alike."""
     align_bytes = ALIGN_BYTES if align_bytes is None else align_bytes
     if not (isinstance(align_bytes, int) and align_bytes >= 1 and align_bytes & (align_bytes - 1) == 0):
         raise ValueError(f"align_bytes must be a power of two (1: no alignment), not {align_bytes!r}")
@@ -58,7 +61,8 @@ def align_numel(align_bytes=None) -> int:
 
 @contextmanager
 def aligned(align_bytes):
-    """FlatBuckets built inside the block align to align_bytes (1: lesson 03's unaligned layout)."""
+    """zerokit's buckets built inside the block (align_bytes=None) align to align_bytes
+    (1: lesson 03's unaligned layout; 128: Megatron's)."""
     global ALIGN_BYTES
     align_numel(align_bytes)  # refuse a bad value before changing anything
     before, ALIGN_BYTES = ALIGN_BYTES, align_bytes
@@ -100,19 +104,20 @@ class Segment:
 
 
 class FlatBucket:
-    """Parameters laid end to end in one padded buffer, each at an aligned offset, cut into
-    world_size equal shards that start aligned too.
+    """Parameters laid end to end in one padded buffer, cut into world_size equal shards; with
+    an alignment, each parameter at an aligned offset and each shard a multiple of it.
 
+    align_bytes: 1 (the default): lesson 03's layout, end to end, S = ceil(numel / N); None:
+        ALIGN_BYTES, read now, as zerokit's optimizers build their buckets; or a power of two.
+        `align` is that many bytes in elements of the narrowest dtype (align_numel).
     numel: the buffer's elements up to the end of the last parameter, the gaps between
-        parameters included (with align_bytes=1: the sum of the parameters' numels).
+        parameters included (unaligned: the sum of the parameters' numels, Psi_b).
     param_numel: the parameters' elements alone, Psi_b (what the ZeRO paper's formulas count).
     shard_numel: S, ceil(numel / world_size) rounded up to a multiple of `align`;
         padded_numel = world_size * S.
-    align_bytes: the alignment in bytes (None: ALIGN_BYTES, read now); `align` is that many
-        bytes in elements of the narrowest dtype (align_numel).
     """
 
-    def __init__(self, params, world_size: int, rank: int, align_bytes=None):
+    def __init__(self, params, world_size: int, rank: int, align_bytes=1):
         self.params = list(params)
         if not self.params:
             raise ValueError("a FlatBucket needs at least one parameter")
@@ -195,9 +200,11 @@ class FlatBucket:
         return out
 
 
-def make_buckets(params, world_size, rank, bucket_numel=None):
-    """Split params into FlatBuckets of at most bucket_numel elements (None: one bucket), the
-    gaps that align each parameter counted (a bucket's numel), the end's padding not.
+def make_buckets(params, world_size, rank, bucket_numel=None, align_bytes=1):
+    """Split params into FlatBuckets of at most bucket_numel parameter elements (None: one
+    bucket), each built with align_bytes (FlatBucket's). The cap counts the parameters alone,
+    so which parameters share a bucket does not depend on the alignment; its padding comes on
+    top, less than one alignment per parameter and per shard.
 
     Buckets are filled in reverse order of `params`: backward produces gradients roughly
     from the last layer to the first, so the first bucket to fill is the first to send.
@@ -207,14 +214,13 @@ def make_buckets(params, world_size, rank, bucket_numel=None):
     if not params:
         return []
     if bucket_numel is None:
-        return [FlatBucket(params, world_size, rank)]
-    align = align_numel()
+        return [FlatBucket(params, world_size, rank, align_bytes)]
     buckets, current, size = [], [], 0
     for p in reversed(params):
-        if current and _round_up(size, align) + p.numel() > bucket_numel:
-            buckets.append(FlatBucket(current, world_size, rank))
+        if current and size + p.numel() > bucket_numel:
+            buckets.append(FlatBucket(current, world_size, rank, align_bytes))
             current, size = [], 0
         current.append(p)
-        size = _round_up(size, align) + p.numel()
-    buckets.append(FlatBucket(current, world_size, rank))
+        size += p.numel()
+    buckets.append(FlatBucket(current, world_size, rank, align_bytes))
     return buckets

@@ -221,12 +221,15 @@ class ZeRO1Adam(torch.optim.Optimizer):
         return ShardedAdamState(bucket, place=self.offload)
 
     def _make_buckets(self, params):
+        # align_bytes=None: each parameter and shard on zerokit.flat.ALIGN_BYTES (16 bytes), as
+        # production buffers are (lesson 03's exercise lays them end to end: the same arithmetic)
         if self.bucket_mb is None:
-            return [FlatBucket(params, self.world_size, self.rank)] if params else []
+            return [FlatBucket(params, self.world_size, self.rank, align_bytes=None)] if params else []
         # beyond the exercise (lesson 06): sized in the dtype the gradients will have, 16 bits
         # under mixed precision, while the parameters are still fp32 here
         dtype = self.precision.param_dtype or params[0].dtype
-        return make_buckets(params, self.world_size, self.rank, int(self.bucket_mb * 2**20) // dtype.itemsize)
+        return make_buckets(params, self.world_size, self.rank, int(self.bucket_mb * 2**20) // dtype.itemsize,
+                            align_bytes=None)
 
     @torch.no_grad()
     def _install_flat_params(self, i):
