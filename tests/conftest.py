@@ -314,7 +314,8 @@ def poison_scratch():
 
 
 __all__ = ["LazyWork", "poison_scratch", "LAUNCH_TIMEOUT", "run_ranks", "new_model", "batch", "rank_slice", "snapshot", "max_diff",
-           "adamw_reference", "ceil_div", "align", "padding_bound", "num_trainable", "close_rel", "exercise_module", "source_module", "fails", "outcome",
+           "adamw_reference", "ceil_div", "align", "padding_bound", "num_trainable", "close_rel", "exercise_module",
+           "source_module", "fails", "outcome",
            "UNFINISHED", "fails_exactly", "fails_every_check", "nbgrader", "checkout_state"]
 
 

@@ -9,7 +9,7 @@
 | stream-load of a ZeRO-3 model unit by unit, from a meta-device model; peak measured | test_stream_load |
 | atomic save (kill a rank mid-save); clear one-message failures that change nothing | test_killed_save_and_refused_loads |
 | DCP interop: zerokit -> FSDP2 + torch AdamW and back, N = 2 | test_dcp_interop_with_fsdp2 |
-| checkpoints of another alignment (unaligned: zerokit's before; 128 B) load bit for bit; the lesson's map refused on aligned shards | test_checkpoints_of_another_alignment_load |
+| other alignments (unaligned, as before; 128 B) load bit for bit; the lesson's map refused on aligned shards | test_checkpoints_of_another_alignment_load |
 
 The truth is never zerokit's own reading of a checkpoint: what the optimizers held when they
 saved (read through their state_shards() contract, or DistributedAdam's state), runs that

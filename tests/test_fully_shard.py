@@ -19,7 +19,8 @@ each rank has: a matmul's rounding depends on the thread count):
 - beside FSDP2 (torch.distributed.fsdp.fully_shard, one unit per block and the root) on the
   same TinyTransformer with the same AdamW: the same loss every step, as FSDP2's own parity
   tests hold it against DDP;
-- memory: at rest each rank holds 1/N of the parameters (plus a padding element per unit).
+- memory: at rest each rank holds 1/N of the parameters (plus the padding: under one alignment,
+  zerokit.flat, per parameter and per shard).
 """
 
 import copy
