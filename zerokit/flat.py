@@ -83,7 +83,7 @@ def padded_numel(numel: int, world_size: int) -> int:
 
 def shard_range(numel: int, world_size: int, rank: int) -> tuple[int, int]:
     """[start, end) of rank's shard in a buffer of numel elements padded for world_size ranks
-    (lesson 03's shard maths, unaligned: a FlatBucket also aligns S, see the module docstring)."""
+    (lesson 03's shard maths; a FlatBucket built with an alignment rounds S up to it)."""
     size = padded_numel(numel, world_size) // world_size
     return rank * size, (rank + 1) * size
 
