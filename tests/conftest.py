@@ -143,6 +143,22 @@ def ceil_div(a, b):
     return -(-a // b)
 
 
+def align():
+    """zerokit.flat's alignment in elements (16 bytes of a 16-bit dtype: 8): each parameter of a flat
+    buffer starts on a multiple of it, and each shard holds a multiple of it."""
+    from zerokit.flat import align_numel
+
+    return align_numel()
+
+
+def padding_bound(n_params, n_buckets, world_size):
+    """Elements of padding flat buffers may hold beyond their parameters, all buckets together:
+    less than one alignment per parameter (the gap before it) and per shard (each bucket's end,
+    cut into world_size shards that hold a multiple of the alignment). A rank's shards hold less
+    than this / world_size beyond Psi / N."""
+    return align() * (n_params + n_buckets * world_size)
+
+
 def num_trainable(model):
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
@@ -290,14 +306,16 @@ def poison_scratch():
 
     def poisoned(self, *args, **kwargs):
         flat = real(self, *args, **kwargs)
-        flat[:self.numel].fill_(float("nan"))
+        for view in self.views(flat):  # the parameters' places; the padding stays the zeros scratch promises
+            view.fill_(float("nan"))
         return flat
 
     FlatBucket.scratch = poisoned
 
 
 __all__ = ["LazyWork", "poison_scratch", "LAUNCH_TIMEOUT", "run_ranks", "new_model", "batch", "rank_slice", "snapshot", "max_diff",
-           "adamw_reference", "ceil_div", "num_trainable", "close_rel", "exercise_module", "source_module", "fails", "outcome",
+           "adamw_reference", "ceil_div", "align", "padding_bound", "num_trainable", "close_rel", "exercise_module",
+           "source_module", "fails", "outcome",
            "UNFINISHED", "fails_exactly", "fails_every_check", "nbgrader", "checkout_state"]
 
 

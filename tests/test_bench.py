@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import padding_bound
+
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG_FIELDS = {"name", "stage", "system", "label", "step_time_s", "floor_s", "vs_floor", "memory_per_rank",
                  "memory_peak", "comm", "loss"}
@@ -87,8 +89,9 @@ def test_bench_command_writes_table_json_and_plot(tmp_path):
 def test_sweep_writes_json_and_plot_and_its_bytes_match_theory(tmp_path):
     """`python -m zerokit.bench --sweep` on two small models at N = 1 and 2: every stage's
     model state at rest is theory_bytes' figure, and its traffic theory_volume's, up to what
-    the stages legitimately add (each flat buffer padded to a multiple of N; one presence flag
-    per parameter tensor sent with the gradients; ZeRO-3's root unit gathered once, not twice)."""
+    the stages legitimately add (each flat buffer's padding, under one alignment per parameter and
+    per shard, zerokit.flat; one presence flag per parameter tensor sent with the gradients;
+    ZeRO-3's root unit gathered once, not twice)."""
     from zerokit.comm import theory_volume
     from zerokit.memory import theory_bytes
 
@@ -108,11 +111,11 @@ def test_sweep_writes_json_and_plot_and_its_bytes_match_theory(tmp_path):
     for r in rows:
         psi, n, stage, where = r["psi"], r["world_size"], r["stage"], (r["psi"], r["world_size"], r["stage"])
         assert r["step_time_s"]["median"] > 0 and len(r["step_time_s"]["per_step_slowest_rank"]) == 1, where
-        # model state at rest: theory_bytes' figure, padding the only excess (under N elements
-        # per flat buffer: once for parameters and gradients, twice for Adam's two moments)
+        # model state at rest: theory_bytes' figure, padding the only excess (conftest.padding_bound
+        # elements over all flat buffers: once for parameters and gradients, twice for Adam's two moments)
         theory = theory_bytes(psi, stage, n, "fp32")
         measured = r["model_state"]["measured"]
-        pad = 4 * n * max(r["flat_buffers"], 1)
+        pad = 4 * padding_bound(r["param_tensors"], max(r["flat_buffers"], 1), n)
         for cat, copies in (("parameters", 1), ("gradients", 1), ("optimizer_states", 2)):
             assert theory[cat] <= measured[cat] <= theory[cat] + copies * pad, (where, cat, measured[cat], theory[cat])
         assert r["model_state"]["theory"]["total"] == theory["total"], where  # the JSON holds the theory beside

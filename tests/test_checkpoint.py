@@ -9,6 +9,7 @@
 | stream-load of a ZeRO-3 model unit by unit, from a meta-device model; peak measured | test_stream_load |
 | atomic save (kill a rank mid-save); clear one-message failures that change nothing | test_killed_save_and_refused_loads |
 | DCP interop: zerokit -> FSDP2 + torch AdamW and back, N = 2 | test_dcp_interop_with_fsdp2 |
+| other alignments (unaligned, as before; 128 B) load bit for bit; the lesson's map refused on aligned shards | test_checkpoints_of_another_alignment_load |
 
 The truth is never zerokit's own reading of a checkpoint: what the optimizers held when they
 saved (read through their state_shards() contract, or DistributedAdam's state), runs that
@@ -18,6 +19,7 @@ The measured figures are printed (pytest -s shows them).
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import sys
@@ -28,10 +30,10 @@ import torch
 
 import zerokit
 import zerokit.checkpoint as ckpt
-from conftest import adamw_reference, batch, max_diff, new_model, rank_slice, run_ranks
+from conftest import adamw_reference, align, batch, ceil_div, max_diff, new_model, padding_bound, rank_slice, run_ranks
 from zerokit.checkpoint.files import CheckpointError, rank_file
 from zerokit.comm import WireCounter
-from zerokit.flat import FlatBucket
+from zerokit.flat import FlatBucket, aligned
 from zerokit.launcher import LaunchError
 from zerokit.memory import PeakRSS
 from zerokit.models import OddMLP, loss_for
@@ -152,7 +154,7 @@ def _save_deep(rank, world, root):
         train("mlp", model, opt, 1, 0, rank, world)
         if stage == "ddp":  # the 1/N a ZeRO-1 rank would own, built here with FlatBucket
             params = [p for p in model.parameters() if p.requires_grad]
-            b = FlatBucket(params, world, rank)
+            b = FlatBucket(params, world, rank, align_bytes=None)  # zerokit's alignment, as ZeRO-1's
             mine = [b.shard_of([p.data for p in params]), b.shard_of([opt.state[p]["exp_avg"] for p in params]),
                     b.shard_of([opt.state[p]["exp_avg_sq"] for p in params])]
             largest = 4 * b.shard_numel
@@ -189,20 +191,23 @@ def test_each_rank_writes_only_its_own_shards(deep):
         assert (meta["format"], meta["version"], meta["world_size"], meta["stage"]) == ("zerokit-checkpoint", 1, 3, stage)
         assert meta["param_groups"][0]["lr"] == LR and meta["param_groups"][0]["weight_decay"] == WD
         named = dict(OddMLP(DEEP).named_parameters())
+        a = align()
         for b in meta["buckets"]:
-            assert b["shard_numel"] == -(-b["numel"] // 3)
             offset = 0
-            for p in b["params"]:  # true offsets, end to end, in each bucket
+            for p in b["params"]:  # true offsets in each bucket: each parameter at the next aligned place
+                offset = ceil_div(offset, a) * a
                 assert p["offset"] == offset and p["shape"] == list(named[p["name"]].shape) and p["step"] == 1
                 offset += named[p["name"]].numel()
             assert offset == b["numel"]
+            assert b["shard_numel"] == ceil_div(ceil_div(b["numel"], 3), a) * a  # ceil(numel / N), aligned
         shards = sum(b["shard_numel"] for b in meta["buckets"])
+        n_params = sum(len(b["params"]) for b in meta["buckets"])
         meta_bytes = (path / "metadata.json").stat().st_size
         for rank, r in enumerate(results):
             m = r[stage]
             assert m["own_bytes"], f"{stage}: rank {rank}'s file is not exactly its own shards"
             assert m["file"] == 12 * shards  # (K + P) Ψ / N in fp32, K = 8, P = 4, + padding
-            assert m["file"] <= 12 * (psi / 3 + 3 * len(meta["buckets"]))
+            assert m["file"] < 12 * (psi + padding_bound(n_params, len(meta["buckets"]), 3)) / 3
             # a rank writes its file, and little else (rank 0: the metadata; all: three tiny agreements)
             extra = m["wrote"] - m["file"] - (meta_bytes if rank == 0 else 0)
             assert 0 <= extra <= 64 * 1024, (stage, rank, m)
@@ -340,6 +345,90 @@ def test_reshard_any_world_size_any_stage(tmp_path):
     print(f"\n(N, stage) -> (N', stage') for every N, N' in 1..4 and every pair of stages: the loaded state is "
           f"bit for bit what was saved; "
           f"{MORE_STEPS} more steps differ from the uninterrupted run by at most {worst:.2g}")
+    assert worst <= 1e-6
+
+
+# ---------------------------------------------------------------------------------------
+# alignment: a checkpoint says where everything is, so layouts of another alignment load
+
+
+ALIGNMENTS = (1, 128)  # 1: the layout zerokit wrote before it aligned (offsets end to end, S = ceil(numel / N))
+
+
+def _save_aligned(rank, world, root):
+    out = {}
+    for align_bytes in ALIGNMENTS:
+        for stage in ("zero1", "zero3"):
+            model = new_model("edge")
+            with aligned(align_bytes):
+                opt = make_opt(stage, model)
+            train("edge", model, opt, SAVE_STEPS, 0, rank, world)
+            ckpt.save(root / f"{align_bytes}-{stage}", model, opt)
+            pieces = held(model, opt)
+            train("edge", model, opt, MORE_STEPS, SAVE_STEPS, rank, world)
+            out[align_bytes, stage] = (pieces, weights(model, opt))
+    return out
+
+
+def _load_aligned(rank, world, root, truth):
+    problems, worst = [], 0.0
+    for (align_bytes, source), (state, steps, after) in truth.items():
+        for target in ("zero2", "zero3"):  # zerokit's default alignment, other buckets, other N
+            model = new_model("edge", seed=11)
+            opt = make_opt(target, model)
+            ckpt.load(root / f"{align_bytes}-{source}", model, opt)
+            pieces, loaded_steps = held(model, opt)
+            try:
+                assert_pieces_equal(pieces, state, f"{align_bytes} B {source} on 2 -> {target} on {world}")
+                assert loaded_steps == steps, "step counts"
+            except AssertionError as exc:
+                problems.append(str(exc))
+            train("edge", model, opt, MORE_STEPS, SAVE_STEPS, rank, world)
+            worst = max(worst, max_diff(weights(model, opt), after))
+    # the lesson's whole-shard map assumes shards of ceil(numel / N): refused on aligned layouts (offsets
+    # that differ from the checkpoint's, or the same offsets in aligned shards), used on its own layout
+    for align_bytes in ALIGNMENTS:
+        model = new_model("edge", seed=11)
+        with aligned(16 if align_bytes == 1 else align_bytes):
+            opt = make_opt("zero1", model)
+        try:
+            ckpt.load(root / f"{align_bytes}-zero1", model, opt, reads=ckpt.shard_reads)
+            problems.append(f"reads=shard_reads loaded a {align_bytes} B checkpoint into aligned shards")
+        except CheckpointError as exc:
+            if "aligned(1)" not in str(exc):
+                problems.append(f"the refusal does not say what to do: {exc}")
+    with aligned(1):
+        opt = make_opt("zero1", model)
+    ckpt.load(root / "1-zero1", model, opt, reads=ckpt.shard_reads)
+    pieces, _ = held(model, opt)
+    try:
+        assert_pieces_equal(pieces, truth[1, "zero1"][0], "reads=shard_reads in the lesson's layout")
+    except AssertionError as exc:
+        problems.append(str(exc))
+    return problems, worst
+
+
+@pytest.mark.timeout(150)
+def test_checkpoints_of_another_alignment_load(tmp_path):
+    """Unaligned checkpoints (what zerokit wrote before it aligned its buffers; lesson 07's layout)
+    and 128-byte aligned ones, saved on 2 ranks, load into zerokit's 16-byte layout on 3 ranks,
+    bit for bit, and training goes on as if uninterrupted. The lesson's map (reads=shard_reads)
+    is refused where the shards are aligned, and used where they are not."""
+    shapes = {n: list(p.shape) for n, p in new_model("edge").named_parameters() if p.requires_grad}
+    saved = run_ranks(_save_aligned, 2, tmp_path)
+    truth = {}
+    for key in saved[0]:
+        per_rank = [r[key][0] for r in saved]
+        truth[key] = (assemble([p for p, _ in per_rank], shapes), per_rank[0][1], saved[0][key][1])
+    for align_bytes in ALIGNMENTS:
+        meta = json.loads((tmp_path / f"{align_bytes}-zero1" / "metadata.json").read_text())
+        offsets = [p["offset"] for p in meta["buckets"][0]["params"]]
+        assert meta["version"] == 1 and all(4 * o % align_bytes == 0 for o in offsets)
+        assert (offsets[1] == math.prod(meta["buckets"][0]["params"][0]["shape"])) == (align_bytes == 1)
+    worst = 0.0
+    for problems, diff in run_ranks(_load_aligned, 3, tmp_path, truth, timeout=120):
+        assert not problems, "\n".join(problems[:5])
+        worst = max(worst, diff)
     assert worst <= 1e-6
 
 

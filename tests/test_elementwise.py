@@ -196,12 +196,16 @@ def test_the_state_of_a_shard_holds_views_of_the_weights():
     from zerokit.flat import FlatBucket
 
     params = [torch.nn.Parameter(torch.randn(5)), torch.nn.Parameter(torch.randn(2, 3))]
-    bucket = FlatBucket(params, world_size=3, rank=1)
+    bucket = FlatBucket(params, world_size=3, rank=1, align_bytes=16)  # offsets 0 and 8, as zerokit's stages align
     flat = bucket.flatten([p.data for p in params])
     state = LocalOptimizerState(bucket, torch.optim.SGD, {"lr": 1.0})
     shard = bucket.shard(flat)
     grad = torch.ones(bucket.shard_numel)
     state.update(shard, grad, [True, True], {"lr": 1.0})
     want = bucket.flatten([p.data for p in params])
-    want[bucket.shard_start:bucket.shard_end] -= 1.0
-    assert torch.equal(flat, want)  # the step wrote into the flat buffer through the segment views
+    # the step wrote into the flat buffer through the segment views, each parameter's piece of this
+    # rank's shard; the padding that aligns the parameters (zerokit.flat) is no segment, and stays zero
+    where = bucket.flatten([torch.ones_like(p) for p in params])
+    want[bucket.shard_start:bucket.shard_end] -= where[bucket.shard_start:bucket.shard_end]
+    assert 0 < where[bucket.shard_start:bucket.shard_end].sum() < bucket.shard_numel  # both kinds in this shard
+    assert torch.equal(flat, want)

@@ -28,7 +28,8 @@ import pytest
 import torch
 
 import zerokit
-from conftest import adamw_reference, batch, ceil_div, max_diff, new_model, poison_scratch, rank_slice, run_ranks
+from conftest import (adamw_reference, align, batch, ceil_div, max_diff, new_model, padding_bound, poison_scratch,
+                      rank_slice, run_ranks)
 from zerokit.models import loss_for
 
 STEPS = 50
@@ -79,7 +80,7 @@ def sharded_state(model, opt):
     for bucket, st in zip(opt.buckets, opt.shards):
         out.append({
             "names": [name_of[p] for p in bucket.params],
-            "numel": bucket.numel,
+            "numel": bucket.numel, "param_numel": sum(p.numel() for p in bucket.params),
             "exp_avg": st.exp_avg.clone(), "exp_avg_sq": st.exp_avg_sq.clone(), "steps": list(st.steps),
             "segments": [(s.index, s.shard_lo, s.shard_hi, s.param_lo, s.param_hi) for s in bucket.segments],
         })
@@ -260,7 +261,11 @@ def assemble_sharded_state(states_per_rank, model_kind, world_size, label):
     steps = {}
     for rank, buckets in enumerate(states_per_rank):
         for b in buckets:
-            assert b["exp_avg"].numel() == ceil_div(b["numel"], world_size), (label, "state is not 1/N")
+            # 1/N: ceil(numel / N), rounded up to the alignment (zerokit.flat)
+            size = b["exp_avg"].numel()
+            assert ceil_div(b["numel"], world_size) <= size < ceil_div(b["numel"], world_size) + align(), (
+                label, "state is not 1/N")
+            assert size % align() == 0, (label, "a shard that does not keep the next one aligned")
             for i, name in enumerate(b["names"]):
                 steps.setdefault(name, []).append(b["steps"][i])
             for index, s_lo, s_hi, p_lo, p_hi in b["segments"]:
@@ -324,19 +329,21 @@ def check_stage(stage, world_size):
             rec = r[kind]
             assert rec["torch_state_entries"] == 0, f"{label}: full per-parameter state in opt.state"
             state_numel = sum(b["exp_avg"].numel() for b in rec["state"])
-            # ZeRO-1 and up: m (and v) hold Ψ/N elements per rank, plus < 1 of padding per bucket
-            assert psi / n <= state_numel < psi / n + len(rec["state"]), (label, rank, state_numel, psi)
+            # ZeRO-1 and up: m (and v) hold Ψ/N elements per rank, plus the padding: under one alignment
+            # per parameter and per shard (zerokit.flat), divided among the N ranks
+            slack = padding_bound(len(trainable_numels(model)), len(rec["state"]), n) / n
+            assert psi / n <= state_numel < psi / n + slack, (label, rank, state_numel, psi)
             if stage == "zero2":
                 assert len(rec["bucket_numels"]) >= 4, f"{label}: expected several buckets"
-                for b in rec["state"]:  # the cap holds, except for a parameter alone in its bucket
-                    assert b["numel"] <= BUCKET_NUMEL or len(b["names"]) == 1, (label, b["names"], b["numel"])
+                for b in rec["state"]:  # the cap (the parameters' elements) holds, but for a parameter alone
+                    assert b["param_numel"] <= BUCKET_NUMEL or len(b["names"]) == 1, (label, b["names"], b["numel"])
             if stage in ("zero2", "zero3"):
                 assert rec["grads_after_backward"] == [[]] * STEPS, (
                     f"{label} rank {rank}: .grad kept after backward: {rec['grads_after_backward'][0]}")
-                want = [ceil_div(b, n) for b in rec["bucket_numels"]]
+                want = [b["exp_avg"].numel() for b in rec["state"]]  # the shards, as m's (checked above)
                 for numels in rec["grad_shard_numels"]:
                     assert numels == want, (label, numels, want)  # one reduced shard per bucket
-                    assert psi / n <= sum(numels) < psi / n + len(want)
+                    assert psi / n <= sum(numels) < psi / n + slack
             if stage == "zero3":
                 assert rec["max_numel_at_rest"] == 0, f"{label}: a parameter kept its data at rest"
                 assert rec["frozen_full"]

@@ -51,7 +51,8 @@ def plan_buckets(params, bucket_numel):
     groups = {}
     for p in params:
         groups.setdefault((p.dtype, p.device), []).append(p)
-    return [b for ps in groups.values() for b in make_buckets(ps, 1, 0, bucket_numel)]
+    # align_bytes=None: each gradient's place in the flat copy starts on zerokit.flat.ALIGN_BYTES
+    return [b for ps in groups.values() for b in make_buckets(ps, 1, 0, bucket_numel, align_bytes=None)]
 
 
 class DataParallel(nn.Module):

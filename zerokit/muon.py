@@ -103,7 +103,8 @@ def assign_owners(shapes, world_size):
 
 
 def straddling_matrices(params, world_size):
-    """How many 2-D parameters a flat shard boundary cuts (ZeRO-1/2's layout, FlatBucket)."""
+    """How many 2-D parameters a flat shard boundary cuts (lesson 03's layout, FlatBucket's default;
+    zerokit's ZeRO-1/2 also align each parameter, which moves the boundaries by a few elements)."""
     params = list(params)
     pieces = [0] * len(params)  # how many ranks hold a piece of each parameter
     for rank in range(world_size):

@@ -128,13 +128,19 @@ class ShardedAdamState:
         place.end()
 
     def _runs(self, present):
-        """Contiguous [lo, hi) ranges of the shard that share one step count: usually one."""
+        """[lo, hi) ranges of the shard whose segments follow one another and share one step count:
+        usually one. A run spans the alignment's padding between two segments (zerokit.flat): its
+        weights, gradient, m and v are zeros, and Adam leaves zeros there (m = v = 0, an update of
+        0 / eps), so one call covers the shard instead of one per parameter."""
         run = None
         for s in self.bucket.segments:
             if not present[s.index]:
+                if run:  # a parameter without a gradient sits between: it is not stepped
+                    yield tuple(run)
+                run = None
                 continue
             step = self.steps[s.index]
-            if run and run[1] == s.shard_lo and run[2] == step:
+            if run and run[2] == step:
                 run[1] = s.shard_hi
             else:
                 if run:
@@ -232,12 +238,15 @@ class ZeRO1Adam(torch.optim.Optimizer):
         return ShardedAdamState(bucket, place=self.offload, foreach=foreach)
 
     def _make_buckets(self, params):
+        # align_bytes=None: each parameter and shard on zerokit.flat.ALIGN_BYTES (16 bytes), as
+        # production buffers are (lesson 03's exercise lays them end to end: the same arithmetic)
         if self.bucket_mb is None:
-            return [FlatBucket(params, self.world_size, self.rank)] if params else []
+            return [FlatBucket(params, self.world_size, self.rank, align_bytes=None)] if params else []
         # beyond the exercise (lesson 06): sized in the dtype the gradients will have, 16 bits
         # under mixed precision, while the parameters are still fp32 here
         dtype = self.precision.param_dtype or params[0].dtype
-        return make_buckets(params, self.world_size, self.rank, int(self.bucket_mb * 2**20) // dtype.itemsize)
+        return make_buckets(params, self.world_size, self.rank, int(self.bucket_mb * 2**20) // dtype.itemsize,
+                            align_bytes=None)
 
     @torch.no_grad()
     def _install_flat_params(self, i):

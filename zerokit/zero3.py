@@ -163,7 +163,8 @@ class ShardedParameters(ZeRO2Adam):
 
     def _make_buckets(self, params):
         """One bucket per unit, the last unit first: backward finishes the units in that order."""
-        return [FlatBucket(mine, self.world_size, self.rank) for _, mine in bucket_plan(self.units, params)]
+        return [FlatBucket(mine, self.world_size, self.rank, align_bytes=None)  # aligned: see ZeRO1Adam's
+                for _, mine in bucket_plan(self.units, params)]
 
     def bucket_state(self, bi):
         """Bucket bi's UnitState, read from the exercise's own fields (_full and _gathering)."""

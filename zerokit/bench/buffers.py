@@ -3,7 +3,7 @@
 The demo prints these buffers beside what zerokit.memory.MemoryProbe measured, and
 tests/test_memory.py checks the probe against them. They are computed from the optimizer's
 buckets, units and the order its units ran in, so they read those internals: `opt.buckets`
-(each bucket's numel, numels, shard_numel, padded_numel), under ZeRO-3 `opt.bucket_units`,
+(each bucket's param_numel, numels, shard_numel, padded_numel), under ZeRO-3 `opt.bucket_units`,
 `opt.world_size`, `opt.max_in_flight`, `opt.units`, `opt._order` and `opt._last_order`.
 """
 
@@ -31,15 +31,16 @@ def buffer_bytes(stage, opt, model=None):
       hook as) the first unit: its gradients arrive during backward, the final norm's early
       and the position embedding's just before the token embedding's (which runs first in
       forward). Counting it whole is an upper bound by what has not arrived yet.
-    The "buffer" is the peak minus the paper's figure; every shard counted includes its
-    padding (under N elements per bucket). These are the moments the probe can see, between
-    hooks: inside one `_send` a bucket's .grad and its new flat copy coexist for an instant,
-    next to a third transfer not yet awaited, which only the allocator's peak would show.
+    The "buffer" is the peak minus the paper's figure; every shard and flat copy counted
+    includes its padding (the end's, and the gaps that align each parameter: zerokit.flat).
+    These are the moments the probe can see, between hooks: inside one `_send` a bucket's
+    .grad and its new flat copy coexist for an instant, next to a third transfer not yet
+    awaited, which only the allocator's peak would show.
     """
     out = {}
     if stage not in ("zero2", "zero3"):
         return out  # data parallel and ZeRO-1 hold nothing beyond the table (the bucket is the gradient)
-    sharded = FP32 * sum(b.numel for b in opt.buckets) / opt.world_size  # the paper's 4 Ψ / N
+    sharded = FP32 * sum(b.param_numel for b in opt.buckets) / opt.world_size  # the paper's 4 Ψ / N
     names = {id(m): n for n, m in model.named_modules()} if model is not None else {}
     peak, where = gradient_peak(opt, names)
     out["gradients"] = (peak - sharded, where)
@@ -74,11 +75,11 @@ def gradient_peak(opt, names=None):
     last_unit = max((i for i, is_held in enumerate(held) if not is_held), default=None)
     shards, flight, moments = 0, [], []
     for i, b in enumerate(buckets):
-        waiting = FP32 * sum(h.numel for h, is_held in zip(buckets, held) if is_held and h is not b)
+        waiting = FP32 * sum(h.param_numel for h, is_held in zip(buckets, held) if is_held and h is not b)
         if drains and not held[i] and i != last_unit:
             flight = []
         if not held[i]:
-            filling = FP32 * (b.numel - min(b.numels))  # all but its last gradient, at most
+            filling = FP32 * (b.param_numel - min(b.numels))  # all but its last gradient, at most
             moments.append((shards + sum(flight) + filling + waiting, f"{label[i]}: all but its last gradient"))
         shards += FP32 * b.shard_numel
         flight = (flight + [FP32 * b.padded_numel])[-opt.max_in_flight:]

@@ -259,6 +259,8 @@ def _offload(rank, world_size, preset, place, runs):
             gc.collect()
             held[where] = census(model, opt, device.type)  # every live tensor on the device
             grown[where] = None if before is None else _allocated(device) - before
+            # K bytes (8: m, v; 12: and the fp32 master) per element of the shards, padding included
+            state_bytes = (8 if precision is None else 12) * sum(b.shard_numel for b in opt.buckets)
             opt.zero_grad()
             del model, opt
         compared = 0 if precision is not None else -1  # which step's shards decide
@@ -268,6 +270,7 @@ def _offload(rank, world_size, preset, place, runs):
                     "loss_rel": max(abs(a - b) / abs(b) for a, b in zip(losses[place], losses[None])),
                     "freed": {k: held[None][k] - held[place][k] for k in held[None]},
                     "freed_cuda": None if grown[None] is None else grown[None] - grown[place],
+                    "state_bytes": state_bytes,
                     "theory": theory_bytes(psi, stage, world_size, "fp32" if precision is None else "mixed")[
                         "optimizer_states"]})
     return out
@@ -408,8 +411,10 @@ def offload(target):
         # not tracked down). On the GPU nothing else may grow; on the CPU ("disk") the files' mapped
         # pages and this check's own copies of the shards are CPU tensors too ("other").
         freed = r["freed"]
-        ok = ok and freed["optimizer_states"] == r["theory"] and (not target.gpu or freed["total"] == r["theory"])
-        theory = f"theory K Psi = {r['theory'] / 2**20:.2f} MiB"
+        # all of the optimizer's state, its shards' padding (zerokit.flat) included; K Psi beside it
+        ok = ok and freed["optimizer_states"] == r["state_bytes"] and (
+            not target.gpu or freed["total"] == r["state_bytes"])
+        theory = f"theory K Psi = {r['theory'] / 2**20:.2f} MiB + padding {r['state_bytes'] - r['theory']:.0f} B"
         if target.gpu:
             figure += f", frees {freed['total'] / 2**20:.2f} MiB of GPU tensors ({theory}"
             if freed["total"] != freed["optimizer_states"]:  # which category did not move as it should

@@ -210,8 +210,8 @@ def combine(per_rank, world_size, cfg_by_psi):
             "step_time_s": {"median": statistics.median(steps), "per_step_slowest_rank": steps},
             "model_state": {"measured": state, "theory": t_state, "ratio": state["total"] / t_state["total"],
                             "per_rank": [r["at_rest"] for r in ranks]},
-            # what may legitimately exceed theory: each flat buffer is padded to a multiple of N
-            # (under N elements), and every stage sends one presence flag per parameter tensor
+            # what may legitimately exceed theory: each flat buffer's padding (under one alignment per
+            # parameter and per shard, zerokit.flat), and one presence flag sent per parameter tensor
             "flat_buffers": r0["flat_buffers"], "param_tensors": r0["param_tensors"],
             "peak": ({k: max(r["peak"][k] for r in ranks) for k in MODEL_STATE + ("other", "total")}
                      if r0["peak"] is not None else None),

@@ -19,16 +19,24 @@ Distributed Checkpoint, for FSDP2).
 **The format.** A checkpoint is a directory (zerokit.checkpoint.files writes it atomically):
 
     metadata.json    rank 0: format, version, world size N, and every bucket: its numel, its
-                     shard size S = ceil(numel / N), and each parameter's name, shape, offset in
-                     the bucket's flat buffer and Adam step count (+ hyperparameters, loss scaler)
+                     shard size S (ceil(numel / N) in the lesson; zerokit rounds it up to its
+                     alignment, zerokit.flat), and each parameter's name, shape, offset in the
+                     bucket's flat buffer and Adam step count (+ hyperparameters, loss scaler)
     rank00000.bin    rank r only: for each bucket, its shard of the fp32 weights, of m and of v,
     rank00001.bin    S elements each, raw bytes (TENSORS): 12 S bytes per bucket
     replicated.bin   rank 0: frozen parameters and buffers, whole
     COMPLETE         written last
 
-In fp32 a rank writes $(K + P)\Psi/N$ bytes, $K = 8$ (m, v) and $P = 4$ (weights), plus at most
-$N - 1$ elements of padding per bucket. Mixed precision saves the same 12 bytes: the fp32
-master is the weights, and the 16-bit weights are not saved (they are the master rounded).
+In fp32 a rank writes $(K + P)\Psi/N$ bytes, $K = 8$ (m, v) and $P = 4$ (weights), plus the
+padding: at most $N - 1$ elements per bucket in the lesson's layout; zerokit's buffers also
+align each parameter and each shard (zerokit.flat: less than `align` elements per parameter and
+per shard). Mixed precision saves the same 12 bytes: the fp32 master is the weights, and the
+16-bit weights are not saved (they are the master rounded).
+
+Alignment changed no field: the metadata says where each parameter is (its offset) and how long
+a shard is (S), and every reader goes by them, so the checkpoints written before zerokit aligned
+its buffers load as they are, and the version stays. (A zerokit from before reads S = ceil(numel
+/ N) only, and refuses an aligned checkpoint's metadata as inconsistent rather than misread it.)
 
 Any other elementwise optimizer is saved the same way (version 2, zerokit.checkpoint.optimizers):
 `tensors` in the metadata names what follows the weights in each bucket (SGD: momentum_buffer,
@@ -37,7 +45,8 @@ step count). Adam's checkpoints stay version 1, as the lesson writes them.
 
 **Resharding.** The offsets make a checkpoint independent of how it was cut. Rank r' of N'
 needs elements $[r'S', \min((r'+1)S', \Psi))$ of each flat buffer; old shard r holds
-$[rS, (r+1)S)$: it reads the intersections (`shard_reads`), never the padding. Between
+$[rS, (r+1)S)$: it reads the intersections (`shard_reads`, the lesson's map for S = ceil(numel
+/ N); `sized_reads` for shards of any size, as zerokit's aligned ones), never the padding. Between
 stages the buckets differ (ZeRO-2 cuts by size, ZeRO-3 by module), so `load` goes by name:
 each piece of a parameter a rank now holds is found at its offset in the old bucket and read
 from the old shards that cover it (`covering`). A flat shard is not a row split: a shard
@@ -68,7 +77,8 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["save", "load", "consolidate", "stream_load", "placeholders", "save_shards", "shard_reads", "covering",
+__all__ = ["save", "load", "consolidate", "stream_load", "placeholders", "save_shards", "shard_reads", "sized_reads",
+           "covering",
            "tensor_offset", "read_metadata", "read_parameter", "read_replicated", "CheckpointError",
            "CheckpointMismatch", "FORMAT", "VERSION", "ANY_VERSION", "TENSORS"]
 
@@ -103,6 +113,13 @@ def shard_reads(numel, old_world, new_world, new_rank):
     new_size = -(-numel // new_world)
     start, end = min(new_rank * new_size, numel), min((new_rank + 1) * new_size, numel)
     return covering(start, end, -(-numel // old_world))
+
+
+def sized_reads(numel, old_size, new_size, new_rank):
+    """shard_reads for shards of any length: old shards of old_size elements, new ones of new_size
+    (zerokit's are aligned, zerokit.flat: at least ceil(numel / N), rounded up)."""
+    start, end = min(new_rank * new_size, numel), min((new_rank + 1) * new_size, numel)
+    return covering(start, end, old_size)
 
 
 def tensor_offset(meta, bucket, kind):
@@ -227,8 +244,10 @@ def read_metadata(path):
 
 
 def _inconsistencies(meta):
-    """What in the metadata cannot be: shards that are not ceil(numel / N), parameters that overlap or
-    run past their bucket (a reader trusting them would read the wrong bytes, or none)."""
+    """What in the metadata cannot be: shards too short for N of them to hold numel elements,
+    parameters that overlap or run past their bucket (a reader trusting them would read the wrong
+    bytes, or none). A shard longer than ceil(numel / N) is padding (zerokit.flat aligns S), and the
+    rank files' sizes, checked against S, say whether it was written."""
     try:
         world, kinds = meta["world_size"], saved_kinds(meta)
         if kinds[:1] != ("weights",) or len(set(kinds)) != len(kinds):
@@ -236,8 +255,9 @@ def _inconsistencies(meta):
         if meta["version"] == VERSION and kinds != TENSORS:
             yield f"version {VERSION} holds Adam's tensors {list(TENSORS)}, not {list(kinds)}"
         for bi, b in enumerate(meta["buckets"]):
-            if b["shard_numel"] != -(-b["numel"] // world):
-                yield f"bucket {bi} has shard_numel {b['shard_numel']}, not ceil({b['numel']} / {world})"
+            if not isinstance(b["shard_numel"], int) or b["shard_numel"] < -(-b["numel"] // world):
+                yield (f"bucket {bi} has shard_numel {b['shard_numel']}: {world} shards of it cannot hold its "
+                       f"{b['numel']} elements (at least ceil({b['numel']} / {world}))")
             end = 0
             for p in sorted(b["params"], key=lambda p: p["offset"]):
                 n = math.prod(p["shape"])
@@ -257,8 +277,10 @@ def load(path, model, opt, *, reads=None):
     itself: an I/O error in the middle of the reads leaves a half-loaded optimizer, to be loaded again.)
 
     reads: a whole-shard map like shard_reads (the lesson's exercise), used for every bucket;
-    those must then hold the same parameters as the saved ones. By default shard_reads serves
-    the buckets that do, and every other piece is found by name.
+    those must then hold the same parameters as the saved ones, in shards of ceil(numel / N) on
+    both sides, the lesson's layout (zerokit.flat.aligned(1)), since that is what the map
+    assumes. By default sized_reads serves the buckets that hold the same parameters (whatever
+    their shards' lengths), and every other piece is found by name.
     """
     rank, world = _rank_world()
     job = job_of(model, opt)  # who holds which state: the lessons' Adam, or a torch optimizer's (optimizers.py)
@@ -271,12 +293,29 @@ def load(path, model, opt, *, reads=None):
         if reads is not None:
             shards = _state_shards(job)
             if not shards or any(_saved_bucket(meta, sh, names) is None for sh in shards):
-                raise ValueError("whole-shard reads need every bucket to hold the same parameters as a saved one")
+                same_names = {tuple(names[p] for p in sh.bucket.params) for sh in shards} <= {
+                    tuple(p["name"] for p in b["params"]) for b in meta["buckets"]}
+                raise ValueError("whole-shard reads need every bucket to hold the same parameters as a saved one, at "
+                                 "the same offsets" + (
+                                     "; here the buckets are the same but the offsets differ: one side aligns each "
+                                     "parameter (zerokit.flat.ALIGN_BYTES) and the other does not. Build the "
+                                     "optimizers that save and load inside zerokit.flat.aligned(1), the lesson's "
+                                     "layout, or load without reads=" if shards and same_names else ""))
+            for sh in shards:
+                saved = meta["buckets"][_saved_bucket(meta, sh, names)]
+                lesson = (-(-saved["numel"] // meta["world_size"]), -(-sh.bucket.numel // world))
+                if (saved["shard_numel"], sh.bucket.shard_numel) != lesson:
+                    raise ValueError(
+                        f"whole-shard reads (reads=) assume the lesson's shards of ceil(numel / N) elements; a bucket "
+                        f"of {sh.bucket.numel} has shards of {saved['shard_numel']} in the checkpoint and "
+                        f"{sh.bucket.shard_numel} here, not {lesson[0]} and {lesson[1]}: zerokit aligns its shards "
+                        "(zerokit.flat.ALIGN_BYTES). Build the optimizers that save and load inside "
+                        "zerokit.flat.aligned(1), or load without reads=")
         return meta
 
     meta = agree(f"cannot load {path}", check)
     with torch.no_grad(), Reader(path) as reader:  # from here on nothing can be refused
-        for name, offset, dest in _plan(meta, job, rank, world, reads or shard_reads):
+        for name, offset, dest in _plan(meta, job, rank, world, reads):
             reader.read(name, offset, dest)
         load_replicated(meta, job.model, reader)
     job.set_state(meta)  # Adam's step counts (any optimizer: each parameter's numbers)
@@ -298,8 +337,9 @@ def _saved_bucket(meta, shard, names):
     return None
 
 
-def _plan(meta, job, rank, world, reads):
-    """[(file, byte offset, destination)]: every read that fills this rank's state."""
+def _plan(meta, job, rank, world, reads=None):
+    """[(file, byte offset, destination)]: every read that fills this rank's state. reads: the
+    lesson's whole-shard map (shards of ceil(numel / N)); None: sized_reads, with each side's S."""
     names = parameter_names(job.model)
     where = {p["name"]: (bi, p["offset"]) for bi, b in enumerate(meta["buckets"]) for p in b["params"]}
     out, whole = [], set()
@@ -308,7 +348,9 @@ def _plan(meta, job, rank, world, reads):
         if bi is not None:
             whole.add(id(sh.bucket))  # by bucket: state_shards() makes new StateShard objects at each call
             size, start = meta["buckets"][bi]["shard_numel"], rank * sh.bucket.shard_numel
-            for r, lo, hi in reads(sh.bucket.numel, meta["world_size"], world, rank):
+            pieces = (sized_reads(sh.bucket.numel, size, sh.bucket.shard_numel, rank) if reads is None else
+                      reads(sh.bucket.numel, meta["world_size"], world, rank))
+            for r, lo, hi in pieces:
                 for kind in TENSORS:
                     dest = getattr(sh, kind)[lo - start:hi - start]
                     out.append((rank_file(r), tensor_offset(meta, bi, kind) + 4 * (lo - r * size), dest))

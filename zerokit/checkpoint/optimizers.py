@@ -489,7 +489,7 @@ class ReplicatedJob(TorchJob):
         for gi, params in enumerate(self._trainable()):
             if not params:
                 continue
-            bucket = FlatBucket(params, world, rank)
+            bucket = FlatBucket(params, world, rank, align_bytes=None)  # ZeRO1's layout (aligned)
             pieces = []
             for s in bucket.segments:
                 p = bucket.params[s.index]

@@ -80,7 +80,8 @@ class _ReplicaShard:
     would own. Its tensors are copies, made when read, so a writer holds one at a time."""
 
     def __init__(self, opt, group, params, world_size, rank):
-        self.bucket, self.group = FlatBucket(params, world_size, rank), group
+        # the layout ZeRO-1 builds (aligned, zerokit.flat), so that either loads the other's shards whole
+        self.bucket, self.group = FlatBucket(params, world_size, rank, align_bytes=None), group
         index = _flat_index(opt)
         self._weights = [_weights(opt, p, index[p]) for p in params]
         self._state = [opt.state.get(p, {}) for p in params]

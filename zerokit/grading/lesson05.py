@@ -336,7 +336,7 @@ def _mechanics_case(rank, world_size, cls, model_name):
                      if not t.requires_grad)  # frozen parameters and buffers are not sharded
     grown = census()["total"] - before - replicated
     want = 12 * shard  # the shards (4 Ψ/N) and Adam's m and v (8 Ψ/N)
-    psi = sum(b.numel for b in opt.buckets)
+    psi = sum(b.param_numel for b in opt.buckets)
     if grown > want + max(2048, psi):  # a quarter of a full copy (4 Ψ bytes) or 2 KiB, whichever is more
         raise AssertionError(
             f"after every bucket was gathered and freed, this rank holds {grown} bytes of model state; its shards "
@@ -656,7 +656,7 @@ def _memory_case(rank, world_size, cls, model_name, units, steps):
     model, opt, name_of, unit_of_bucket = _setup(rank, world_size, cls, model_name, units)
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     buckets = opt.buckets
-    psi = sum(b.numel for b in buckets)
+    psi = sum(b.param_numel for b in buckets)
     problems = []  # the first violation seen inside a hook, raised once autograd is done
     peak = {"forward": 0, "backward": 0}
     phase = ["forward"]
@@ -892,7 +892,7 @@ def _comm_case(rank, world_size, cls, model_name, units, steps):
                          "ahead": ahead, "overlapped": overlapped})
         for h in handles:
             h.remove()
-        out[prefetch] = {"rows": rows, "psi": sum(b.numel for b in buckets),
+        out[prefetch] = {"rows": rows, "psi": sum(b.param_numel for b in buckets),
                          "padded": sum(b.padded_numel for b in buckets)}
     return out
 

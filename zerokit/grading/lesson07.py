@@ -21,7 +21,9 @@ One bug costs one check. Each exercise is graded with zerokit's versions of the 
 save_shards is read back by zerokit.checkpoint.load, your map drives that loader over a
 checkpoint zerokit saved, your consolidation reads a checkpoint zerokit saved. The truth is
 what the optimizers held when they saved (read through their state_shards() contract), and
-torch.optim.AdamW on one process for the steps after a load.
+torch.optim.AdamW on one process for the steps after a load. The optimizers are built in the
+lesson's layout, shards of ceil(numel / N) and offsets end to end (zerokit.flat.aligned(1)):
+the exercises are that arithmetic, where zerokit's own buffers also align each parameter.
 """
 
 import json
@@ -36,6 +38,7 @@ import torch.distributed as dist
 from .. import checkpoint as ckpt
 from ..checkpoint.files import CheckpointError, rank_file
 from ..comm import WireCounter
+from ..flat import aligned
 from ..memory import PeakRSS
 from ..mixed_precision import MixedPrecision, as_dtype
 from ..models import build_model, model_loss
@@ -104,15 +107,19 @@ NO_ZEROKIT_CONSOLIDATE = [(ckpt, "consolidate", _OWN.format("consolidate") + " (
 
 
 def _make(stage, model, precision=None):
-    """The stage's Adam; with precision ("bf16", "fp16") a mixed-precision job: every parameter of the
-    model 16-bit, frozen ones too (they are saved so, in replicated.bin), fp32 masters in the shards."""
+    """The stage's Adam, its buckets in the lesson's layout: the lesson teaches shards of S = ceil(numel / N)
+    and offsets end to end (zerokit.flat.aligned(1)); zerokit's own aligned layout (each parameter and shard
+    on 16 bytes) loads and saves through the same metadata, as the tests of zerokit.checkpoint hold. With
+    precision ("bf16", "fp16") a mixed-precision job: every parameter of the model 16-bit, frozen ones too
+    (they are saved so, in replicated.bin), fp32 masters in the shards."""
     mixed = {} if precision is None else {"precision": MixedPrecision(precision)}
-    if stage == "zero1":
-        return ZeRO1Adam(model.parameters(), **HYPER, **mixed)
-    if stage == "zero2":  # small buckets: several of them, each with its own padding
-        return ZeRO2Adam(model.parameters(), bucket_mb=400 * 4 / 2**20, **HYPER, **mixed)
-    if stage == "zero3":
-        return ZeRO3Adam(model, **HYPER, **mixed)
+    with aligned(1):
+        if stage == "zero1":
+            return ZeRO1Adam(model.parameters(), **HYPER, **mixed)
+        if stage == "zero2":  # small buckets: several of them, each with its own padding
+            return ZeRO2Adam(model.parameters(), bucket_mb=400 * 4 / 2**20, **HYPER, **mixed)
+        if stage == "zero3":
+            return ZeRO3Adam(model, **HYPER, **mixed)
     raise ValueError(f"stage must be zero1, zero2 or zero3, not {stage!r}")
 
 

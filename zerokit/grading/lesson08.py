@@ -447,7 +447,7 @@ def _memory_case(rank, world_size, cls, model_name):
         raise AssertionError(f"each checkpointed block saved {saved} bytes; its input alone is {block_input}")
     gc.collect()
     grown = census(model, opt)["total"] - before
-    psi = sum(b.numel for b in opt.buckets)
+    psi = sum(b.param_numel for b in opt.buckets)
     if grown > 3 * shard_bytes + max(2048, psi):
         raise AssertionError(f"between steps this rank holds {grown} bytes of model state; its shards with Adam's m "
                              f"and v are {3 * shard_bytes}: something keeps full-size buffers alive")
@@ -490,7 +490,7 @@ def _traffic_case(rank, world_size, cls, model_name):
             opt.step()
             opt.zero_grad()
             rows.append({"gathers": comm.volume("all_gather"), "reduce_scatters": comm.volume("reduce_scatter")})
-    return {"rows": rows, "psi": sum(b.numel for b in opt.buckets)}
+    return {"rows": rows, "psi": sum(b.param_numel for b in opt.buckets)}
 
 
 def check_recompute(cls, world_size=2, model=MODEL, timeout=60.0):
