@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zerokit
-from conftest import run_ranks
+from conftest import padding_bound, run_ranks
 from zerokit.memory import census
 from zerokit.fully_shard.reshard import ReshardZeRO3Adam
 
@@ -113,7 +113,8 @@ def test_reshard_after_forward_memory_and_traffic_against_the_formula():
     for rank, got in enumerate(run_ranks(_reshard_case, n)):
         padded = got[True]["padded"]
         total = sum(padded)
-        assert psi <= total < psi + len(padded) * n  # the buckets hold the model, padded by < N each
+        n_params = sum(1 for _ in uneven().parameters())
+        assert psi <= total < psi + padding_bound(n_params, len(padded), n)  # the model, and padding only
         shard_bytes = 4 * total // n
         # what each control holds between forward and backward, beyond the shards (fp32: 4 bytes)
         beyond = {True: 0, False: 4 * total, None: 4 * got[True]["root"], NODE: 4 * total // NODE}
@@ -209,8 +210,10 @@ def _accumulate(rank, world_size):
             record["weights"] = owner.full_parameters()
         record["buckets"] = len(sharding.buckets)
         # the shard parameters' own .grad, kept (zeroed) by zero_grad(set_to_none=False): views of one
-        # buffer per bucket, this rank's padded shard of it (FlatBucket's layout)
-        record["shard_numel"] = 0 if system == "ZeRO3Adam.no_sync" else sum(b.shard_numel for b in sharding.buckets)
+        # buffer per bucket, this rank's padded shard of it (FlatBucket's layout); a bucket whose shard here
+        # is padding alone (the alignment's, zerokit.flat) has no piece here, so no .grad keeps its buffer
+        record["shard_numel"] = 0 if system == "ZeRO3Adam.no_sync" else sum(
+            b.shard_numel for b in sharding.buckets if b.segments)
         out[system] = record
     return psi, out
 

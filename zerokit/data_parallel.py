@@ -135,12 +135,22 @@ class DataParallel(nn.Module):
         zero_grad) accumulated, so the sum is reduced once, and a parameter that got nothing
         this time still sends what it holds, as the other ranks do.
 
-        On a GPU nothing here waits for it: the gradients go in with one concatenation, not a
-        copy per parameter, and the presence slots are filled on the device (device_flags)."""
+        On a GPU nothing here waits for it: the gradients go in with one multi-tensor copy, not a
+        copy per parameter, each at its aligned offset (zerokit.flat), the gaps between them
+        zeroed in one call, and the presence slots are filled on the device (device_flags)."""
         bucket = self.buckets[bi]
+        p0 = bucket.params[0]
         here = [p.grad is not None for p in bucket.params]
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in bucket.params]
-                         + [device_flags(here, bucket.params[0].dtype, bucket.params[0].device)])
+        flat = torch.empty(bucket.numel + len(bucket.params), dtype=p0.dtype, device=p0.device)
+        bucket.zero_gaps_(flat)
+        views = bucket.views(flat)
+        pairs = [(v, p.grad) for v, p in zip(views, bucket.params) if p.grad is not None]
+        if pairs:
+            torch._foreach_copy_([v for v, _ in pairs], [g for _, g in pairs])
+        for v, p in zip(views, bucket.params):
+            if p.grad is None:
+                v.zero_()  # sent as zeros: this rank adds nothing to it
+        flat[bucket.numel:].copy_(device_flags(here, p0.dtype, p0.device))
         work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         self._in_flight.append((work, bi, flat, all(here)))
         self._next = bi + 1

@@ -163,6 +163,10 @@ class FlatBucket:
         p = self.params[0]
         flat = torch.empty(self.padded_numel, dtype=dtype or p.dtype, device=device or p.device)
         flat[self.numel:].zero_()
+        return self.zero_gaps_(flat)
+
+    def zero_gaps_(self, flat):
+        """Zero the gaps between the parameters in `flat` (in place, one call) and return it."""
         if self.gaps:
             index = self._gap_index.get(flat.device)
             if index is None:
