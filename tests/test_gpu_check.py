@@ -2,7 +2,8 @@
 
 - without a GPU the command says so in one line and exits 0;
 - --rehearse runs every row group on the CPU (gloo; "disk" for pinned offload; the CUDA
-  counters "n/a"): the rows' own numerics, memory and checkpoint comparisons must all pass;
+  counters "n/a"): the rows' own numerics, memory and checkpoint comparisons must all pass,
+  python -m zerokit.train's rows too;
 - every CUDA branch in zerokit's source has a row (COVERS), and the scanner finds a planted one;
 - a group that raises becomes one failed row and the command exits 1; the table says so.
 """
@@ -50,6 +51,8 @@ def test_the_rehearsal_runs_every_row_on_the_cpu(tmp_path):
         assert f"memory N=2 {stage}" in paths
         assert f"bench N=1 zerokit-{stage} (cpu)" in paths and f"bench N=1 wrapper-{stage} (cpu)" in paths
     assert {"launch backend=auto", "checkpoint zero2", "checkpoint zero3", "lesson 00 checks on cpu"} <= set(paths)
+    # python -m zerokit.train at every stage (bf16 beside its peer and fp32, fp32 beside --impl torch), and by torchrun
+    assert {f"train stage {s} (cpu, gloo)" for s in range(4)} | {"train under torchrun, stage 0 bf16"} <= set(paths)
     assert sum(p.startswith("offload=disk") for p in paths) == len(gpu_check.OFFLOAD_RUNS)
     # the bytes an offload row expects to free: the paper's K Psi at N = 1 (K = 8 in fp32, 12 mixed), Psi counted
     # here on the unsharded model (the first H200 run read Psi off a ZeRO-3 model after sharding: 0)
