@@ -107,7 +107,7 @@ def _decide(args, restarts):
     if not args.resume:
         found = existing(directory) if (args.checkpoint_every or restarts) else []
         if not found:
-            return None, [f"no --resume: starting again at step 0"] if restarts else [], None, []
+            return None, ["no --resume: starting again at step 0"] if restarts else [], None, []
         if args.overwrite:
             return None, [f"--overwrite: deleting {_names(found)} in {directory}, starting at step 0"], None, found
         who = f"torchrun restarted this job (restart {restarts}) but it was" if restarts else "this job was"
@@ -118,7 +118,7 @@ def _decide(args, restarts):
     usable, incomplete = scan(directory)
     if not usable:
         said = [f"--resume: no complete checkpoint in {directory}, starting at step 0"]
-        return None, said + [f"  (passed over {p.name}: {why})" for p, why in incomplete], None, []
+        return None, said + [f"--resume: passed over {p.name}: {why}" for p, why in incomplete], None, []
     step, path, saved = usable[-1]
     said = [f"--resume: passed over {p.name}, newer than {path.name}: {why}"
             for p, why in incomplete if int(p.name[4:]) > step]
