@@ -3,8 +3,9 @@
 - without a GPU the command says so in one line and exits 0;
 - --rehearse runs every row group on the CPU (gloo; "disk" for pinned offload; the CUDA
   counters "n/a"): the rows' own numerics, memory and checkpoint comparisons must all pass, the
-  odd shapes' optimizers end bitwise where torch.optim's do, and one lesson's graded checks (02:
-  make test grades every solution notebook already) pass through the group's own plumbing;
+  odd shapes' optimizers end bitwise where torch.optim's do, one lesson's graded checks (02:
+  make test grades every solution notebook already) pass through the group's own plumbing, and
+  python -m zerokit.train's rows pass too;
 - every CUDA branch in zerokit's source has a row (COVERS), and the scanner finds a planted one;
 - a group that raises becomes one failed row and the command exits 1; the table says so.
 """
@@ -55,6 +56,8 @@ def test_the_rehearsal_runs_every_row_on_the_cpu(tmp_path):
     assert {"launch backend=auto", "checkpoint zero2", "checkpoint zero3", "lesson 00 checks on cpu",
             "lesson 02 checks on cpu"} <= set(paths)
     assert not any(p.startswith("lesson 03") for p in paths)  # --lessons 02: that lesson's graded checks only
+    # python -m zerokit.train at every stage (bf16 beside its peer and fp32, fp32 beside --impl torch), and by torchrun
+    assert {f"train stage {s} (cpu, gloo)" for s in range(4)} | {"train under torchrun, stage 0 bf16"} <= set(paths)
     assert sum(p.startswith("offload=disk") for p in paths) == len(gpu_check.OFFLOAD_RUNS)
     # the odd shapes: every optimizer in both modes, 0 on the CPU too (ok means max |d| == 0)
     for name in odd_shapes.OPTIMIZERS:

@@ -259,6 +259,52 @@ def test_describe_frames_names_the_users_line_not_zerokit_helpers():
     assert describe_frames([frames[0], frames[1], frames[3]]) == ("all_gather", "comm.py:50, in all_gather")
 
 
+_SCRIPT = """import zerokit
+
+
+def fail(rank, world_size):
+    raise ValueError("from the script")
+
+
+try:
+    zerokit.launch(fail, 1, launcher="forkserver", backend="gloo", echo=False)
+except ValueError as exc:
+    print(exc.__notes__[0])
+    print(exc.__cause__)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_error_names_the_file_of_code_sent_by_value_and_a_cell_as_a_cell(tmp_path):
+    """cloudpickle sends a script's functions (its __main__), lambdas and a notebook cell's code by value;
+    the report names the line by the file it came from, not "your cell" for all of them (a capstone
+    refusal raised in zerokit's train.py read "at your cell, line 440")."""
+    from pathlib import Path
+    import subprocess
+
+    (tmp_path / "job.py").write_text(_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run([sys.executable, "job.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=100)
+    assert done.returncode == 0, done.stderr[-2000:]
+    note, *traceback = done.stdout.splitlines()
+    assert note == "raised on rank 0 of 1, at job.py:5, in fail", done.stdout
+    assert f'  File "{tmp_path / "job.py"}", line 5, in fail' in traceback, done.stdout  # the rank's own traceback
+    # a lambda of this file (by value: it has no importable name)
+    divide = lambda rank, world_size: 1 / 0  # noqa: E731
+    with pytest.raises(ZeroDivisionError) as caught:
+        zerokit.launch(divide, 1, launcher="forkserver", backend="gloo", echo=False)
+    line = divide.__code__.co_firstlineno
+    assert caught.value.__notes__[0] == f"raised on rank 0 of 1, at test_launch.py:{line}, in <lambda>"
+    # a notebook cell's function: its code's file is the kernel's (ipykernel names each cell's)
+    cell = {}
+    exec(compile("def step(rank, world_size):\n    raise KeyError('batch')\n", "/tmp/ipykernel_1/2.py", "exec"),
+         cell)
+    with pytest.raises(KeyError) as caught:
+        zerokit.launch(cell["step"], 1, launcher="forkserver", backend="gloo", echo=False)
+    assert caught.value.__notes__[0] == "raised on rank 0 of 1, at your cell, line 2, in step"
+
+
 def test_torchrun_that_cannot_start_is_a_launch_error(monkeypatch):
     import subprocess
 

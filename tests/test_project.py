@@ -70,19 +70,14 @@ COURSE_MODULES = {"adam", "ddp", "flat", "zero1", "zero2", "zero3", "mixed_preci
                   # the lessons' stages in PyTorch's shapes (issue 24)
                   "elementwise", "data_parallel",
                   "muon",  # lesson 09's reference
-                  "multi_tensor",  # Adam on many tensors at once, what DistributedAdam and ZeRO run on a GPU
-                  "train"}  # the capstone's script: the course's pieces in one training job
+                  "multi_tensor"}  # Adam on many tensors at once, what DistributedAdam and ZeRO run on a GPU
 # a lesson whose reference needs more than one file gets a package of its own (its __init__
 # is the reference, the rest are its parts)
 COURSE_PACKAGES = {"checkpoint",
-                   "fully_shard"}  # FullyShard and fully_shard (__init__), sharding, reshard (hpZ), clip (issue 41)
+                   "fully_shard",  # FullyShard and fully_shard (__init__), sharding, reshard (hpZ), clip (issue 41)
+                   "train"}  # the capstone's script: the course's pieces in one training job
 COURSE = COURSE_MODULES | COURSE_PACKAGES
 WINGS = {"launcher", "grading", "bench"}
-# The one exception: the capstone's script is a job, not a lesson's reference, and offers what a job's user asks
-# for: --impl torch runs PyTorch's peers (bench.train_peers, to time them beside zerokit's stages), and the memory
-# table counts what those peers hold too (bench.accounting). Both are imported inside the functions that use them,
-# at run time, so neither is an import of the machinery when zerokit.train loads nor a circle (train_peers imports train).
-SCRIPT_USES = {"zerokit.train": {"zerokit.bench.train_peers", "zerokit.bench.accounting"}}
 
 
 def _module_imports():
@@ -118,8 +113,6 @@ def test_the_top_level_holds_the_course_and_the_machinery_lives_in_wings():
 
 def test_no_import_circle_and_the_course_never_imports_the_machinery():
     graph = _module_imports()
-    for module, lazy in SCRIPT_USES.items():  # run-time imports of a job's options: no edge at load time
-        graph[module] -= lazy
     for module, deps in graph.items():
         if module.split(".")[1:2] and module.split(".")[1] in COURSE:
             wings = sorted(d for d in deps if d.split(".")[1:2] and d.split(".")[1] in WINGS)

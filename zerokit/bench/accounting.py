@@ -23,6 +23,10 @@ import torch
 
 from zerokit.comm import CommCounter
 from zerokit.memory import census
+# what a system holds by category (zerokit.train.peers.holdings): the capstone's memory table counts the same
+from zerokit.train.peers import MODEL_STATE
+from zerokit.train.peers import Held as _Declared
+
 
 class _MallInfo2(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in
@@ -50,58 +54,6 @@ def allocated_bytes(device) -> int:
         return 0
     info = _MALLINFO2()
     return info.uordblks + info.hblkhd  # in use in the arenas + large blocks (mmapped)
-
-
-def _local(t):
-    """A DTensor's local shard (FSDP2); a plain tensor as it is."""
-    return getattr(t, "_local_tensor", t)
-
-
-def holdings(model, optimizer) -> dict:
-    """{category: [tensors]} that a system holds as parameters, gradients, optimizer state."""
-    params, grads, states = [], [], []
-    for p in model.parameters():
-        params.append(_local(p))
-        if p.grad is not None:
-            grads.append(_local(p.grad))
-    for m in model.modules():  # FSDP2's own buffers (private API: best effort)
-        get_state = getattr(m, "_get_fsdp_state", None)
-        if get_state is None:
-            continue
-        for group in getattr(get_state(), "_fsdp_param_groups", []):
-            for fp in group.fsdp_params:
-                params.append(fp._sharded_param_data)
-                params.extend(getattr(fp, "all_gather_outputs", []))
-                unsharded = getattr(fp, "_unsharded_param", None)
-                if unsharded is not None:
-                    params.append(_local(unsharded))
-                    if unsharded.grad is not None:
-                        grads.append(_local(unsharded.grad))
-    for owner in (optimizer, model):  # zerokit's optimizers, and FullyShard, list their flat buffers and shards
-        declared = getattr(owner, "memory_categories", None)
-        if declared is not None:
-            cats = declared()
-            params += cats.get("parameters", [])
-            grads += cats.get("gradients", [])
-            states += cats.get("optimizer_states", [])
-    for opt in (optimizer, getattr(optimizer, "optim", None)):  # ZeroRedundancyOptimizer.optim
-        for state in getattr(opt, "state", {}).values():
-            if isinstance(state, dict):
-                states += [_local(v) for v in state.values() if isinstance(v, torch.Tensor)]
-    return {"parameters": params, "gradients": grads, "optimizer_states": states}
-
-
-MODEL_STATE = ("parameters", "gradients", "optimizer_states")
-
-
-class _Declared:
-    """Hands `holdings` to zerokit.memory.census as an optimizer's declared categories."""
-
-    def __init__(self, model, optimizer):
-        self.model, self.optimizer = model, optimizer
-
-    def memory_categories(self):
-        return holdings(self.model, self.optimizer)
 
 
 class Instrument(CommCounter):

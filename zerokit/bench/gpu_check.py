@@ -533,6 +533,95 @@ def odd_shapes(target):
     return rows
 
 
+# ---------------------------------------------------------------------------------------
+# the capstone's script, python -m zerokit.train, on the device
+
+# the job: issue 39's on a GPU (25.6 M parameters, 8,192 tokens a step), a tiny one rehearsing
+TRAIN_JOB = {True: ["--dim", "512", "--layers", "8", "--heads", "8", "--seq-len", "256", "--batch", "32"],
+             False: ["--dim", "32", "--layers", "2", "--heads", "2", "--seq-len", "32", "--batch", "8",
+                     "--data-mb", "0.25"]}
+TRAIN_CURVE_STEPS = 4  # tests/test_train.py's curves: 4 steps, fp32 within FP32_ATOL, bf16 within 2% of fp32
+TRAIN_BF16_RTOL = 0.02
+TRAIN_TIMED = {True: ("12", "4"), False: ("3", "1")}  # train_peers' --steps and --warmup
+
+
+def _train_curves(rank, world_size, runs):
+    from zerokit.train import parse_args
+    from zerokit.train import train as run
+
+    return [run(rank, world_size, parse_args(argv)) for argv in runs]
+
+
+def _train_torchrun(target, folder):
+    """The job as a user starts it: torchrun, stage 0 in bf16; (return code, output, its --out record)."""
+    import subprocess
+
+    out = Path(folder) / "torchrun.json"
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "-m", "zerokit.train",
+            *TRAIN_JOB[target.gpu], "--device", target.device, "--stage", "0", "--precision", "bf16",
+            "--steps", TRAIN_TIMED[target.gpu][0], "--warmup", TRAIN_TIMED[target.gpu][1], "--sample-bytes", "0",
+            "--quiet", "--out", str(out)]
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT, cwd=folder)
+    record = json.loads(out.read_text()) if done.returncode == 0 and out.exists() else None
+    return done.returncode, done.stdout + done.stderr, record
+
+
+def _rate(record):
+    mfu = "MFU n/a" if record.get("mfu") is None else f"MFU {record['mfu']:.1%}"
+    return f"{record['tokens_per_s'] / 1e3:.1f}k tokens/s, {mfu}"
+
+
+def train_script(target):
+    """python -m zerokit.train on the device at N = 1: every stage's tokens/s and MFU in bf16 beside its
+    PyTorch peer (zerokit.bench.train_peers, in turns), bf16 against fp32, fp32 against --impl torch; and
+    one job started by torchrun, as users start it."""
+    from zerokit.bench import train_peers
+
+    job = [*TRAIN_JOB[target.gpu], "--device", target.device, "--quiet", "--sample-bytes", "0"]
+    curve = [*job, "--steps", str(TRAIN_CURVE_STEPS)]
+    runs = [[*curve, "--stage", str(s), *extra] for s in range(4)
+            for extra in ([], ["--precision", "bf16"], ["--impl", "torch"])]
+    curves = _launch(_train_curves, 1, runs, env={DEVICE_ENV: target.device})[0]
+    steps, warmup = TRAIN_TIMED[target.gpu]
+    with tempfile.TemporaryDirectory(prefix="zerokit-gpu-check-train-") as folder:
+        log = io.StringIO()
+        with contextlib.redirect_stdout(log):
+            train_peers.main(["--nproc", "1", "--steps", steps, "--warmup", warmup, "--device", target.device,
+                              "--timeout", str(LAUNCH_TIMEOUT), "--out", folder, "--", *TRAIN_JOB[target.gpu],
+                              "--precision", "bf16"])
+        timed = json.loads((Path(folder) / "runs.json").read_text())["runs"]
+        rc, said, record = _train_torchrun(target, folder)
+    rows = []
+    for s in range(4):
+        fp32, bf16, peer = (curves[3 * s + i] for i in range(3))
+        losses = [[r["losses"][k] for k in sorted(r["losses"])] for r in (fp32, bf16, peer)]
+        mean = [sum(c) / len(c) for c in losses]
+        rel = abs(mean[1] - mean[0]) / mean[0]
+        dpeer = max(abs(a - b) for a, b in zip(losses[0], losses[2]))
+        mine, theirs = (next(r for r in timed if r["stage"] == s and r["impl"] == impl)
+                        for impl in ("zerokit", "torch"))
+        same_job = abs(mine["final_loss"] - theirs["final_loss"]) <= TRAIN_BF16_RTOL * theirs["final_loss"]
+        on = {r["device"] for r in (fp32, bf16, peer, mine, theirs)}
+        ok = rel <= TRAIN_BF16_RTOL and dpeer <= FP32_ATOL and same_job and on == {fp32["device"]} \
+            and fp32["device"].startswith(target.device)
+        rows.append(Row(f"train stage {s} ({fp32['device']}, {fp32['backend']})",
+                        f"bf16 tokens/s and MFU vs the PyTorch peer in turns; bf16 mean loss vs fp32 within "
+                        f"{TRAIN_BF16_RTOL:.0%}; fp32 curve vs --impl torch, |d| <= {FP32_ATOL:g}", ok,
+                        f"{_rate(mine)} vs peer {_rate(theirs)} "
+                        f"({mine['tokens_per_s'] / theirs['tokens_per_s']:.2f}x); "
+                        f"bf16 {rel:.1e} off fp32; fp32 vs torch max |d| {dpeer:.1e}"))
+    first = next((line for line in said.splitlines() if line.startswith("device:")), "no device line")
+    ok = rc == 0 and record is not None and first.startswith(f"device: rank 0 on {target.device}") \
+        and record["device"].startswith(target.device)
+    rows.append(Row("train under torchrun, stage 0 bf16", "torchrun --standalone -m zerokit.train: the device it "
+                    "says and uses, tokens/s, MFU", ok, (f"{first}; {_rate(record)}" if record else
+                                                        f"exit {rc}: {said.strip()[-150:]}")[:200]))
+    return rows
+
+
 # Every CUDA branch in zerokit (cuda_branches()) -> the row group that runs it.
 COVERS = {
     "launch_auto": ["zerokit/launcher/backend.py:resolve_backend", "zerokit/launcher/backend.py:rank_device",
@@ -543,6 +632,13 @@ COVERS = {
     "offload": ["zerokit/offload.py:offload_place", "zerokit/offload.py:PinnedPlace.__init__",
                 "zerokit/offload.py:PinnedPlace.begin", "zerokit/zero1.py:ShardedAdamState.update"],
     "checkpoint": ["zerokit/checkpoint/files.py:write_tensors", "zerokit/checkpoint/files.py:read_into"],
+    # the capstone's script: where a rank runs, its peers on that device, MFU's peak, the bench of its stages
+    "train": ["zerokit/train/device.py:placement", "zerokit/train/device.py:local_placement",
+              "zerokit/train/device.py:prepare", "zerokit/train/device.py:take_place", "zerokit/train/build.py:build",
+              "zerokit/train/peers.py:build_peer", "zerokit/train/speed.py:device_peak",
+              "zerokit/train/options.py:parse_args", "zerokit/train/job.py:main",
+              "zerokit/bench/train_peers.py:measure", "zerokit/bench/train_peers.py:_sync",
+              "zerokit/bench/train_peers.py:main", "zerokit/bench/train_peers.py:table"],
     "bench": ["zerokit/bench/accounting.py:allocated_bytes", "zerokit/bench/accounting.py:Instrument.__enter__",
               "zerokit/bench/accounting.py:Instrument.__exit__", "zerokit/bench/runs.py:run_stage",
               "zerokit/bench/systems.py:_torch_peer", "zerokit/bench/timing.py:sync"],
@@ -551,7 +647,7 @@ COVERS = {
 GROUPS = [("environment", environment), ("launch_auto", launch_auto), ("single_rank", single_rank),
           ("shared_gpu", shared_gpu), ("memory", memory), ("offload", offload), ("checkpoint", checkpoint),
           ("bench", bench), ("lesson_checks", lesson_checks), ("lesson_grades", lesson_grades_on_device),
-          ("odd_shapes", odd_shapes)]
+          ("odd_shapes", odd_shapes), ("train", train_script)]
 
 
 # ---------------------------------------------------------------------------------------

@@ -58,6 +58,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from zerokit.train.peers import DDP_OPTIONS, ZERO_REDUNDANCY_OPTIONS
+
 from .stages import make_optimizer
 from .workload import HYPER, make_model
 
@@ -104,8 +106,8 @@ BASELINE = "torch-ddp"  # the loss every other configuration is compared with
 # DDP's communication buckets instead of beside them, and ZeroRedundancyOptimizer's
 # parameters packed into one buffer per rank (one broadcast per rank, not one per tensor).
 # torch.optim.AdamW keeps its defaults (its CPU default is the per-tensor loop).
-DDP_OPTIONS = {"gradient_as_bucket_view": True}
-ZERO_REDUNDANCY_OPTIONS = {"parameters_as_bucket_view": True}
+# DDP_OPTIONS and ZERO_REDUNDANCY_OPTIONS (imported above) live beside zerokit.train's builder of the same
+# peers (--impl torch), which uses them too.
 
 
 def build(config, model_cfg, device, seed):

@@ -22,12 +22,15 @@ How it works, in the order things happen:
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
 import sys
 import tempfile
 import time
+import types
+from collections import ChainMap
 from pathlib import Path
 
 import cloudpickle
@@ -124,6 +127,12 @@ def launch(
     raise report.crash_error(ranks, exit_codes, world_size, outputs, launcher, launcher_log)
 
 
+def _code_with_its_file(code):
+    """cloudpickle's reduction of a code object, with its co_filename in place of "<dynamic-code>"."""
+    rebuild, fields = cloudpickle.cloudpickle._code_reduce(code)
+    return rebuild, tuple(code.co_filename if f == "<dynamic-code>" else f for f in fields)
+
+
 def _make_run_dir(fn, args, backend, timeout, worker_env, cwd):
     """A private folder holding everything a worker needs: settings, fn and args, environment."""
     run_dir = Path(tempfile.mkdtemp(prefix="zerokit-launch-"))
@@ -136,7 +145,7 @@ def _make_run_dir(fn, args, backend, timeout, worker_env, cwd):
     }
     (run_dir / "meta.json").write_text(json.dumps(meta))
     try:
-        (run_dir / "payload.pkl").write_bytes(cloudpickle.dumps({"fn": fn, "args": tuple(args)}))
+        (run_dir / "payload.pkl").write_bytes(_dumps({"fn": fn, "args": tuple(args)}))
     except Exception as exc:  # an unpicklable argument: say which, not a pickle stack
         shutil.rmtree(run_dir, ignore_errors=True)
         raise TypeError(f"launch() could not send fn/args to the workers: {exc}") from exc
@@ -148,6 +157,24 @@ def _make_run_dir(fn, args, backend, timeout, worker_env, cwd):
 
 def _failed(ranks):
     return any(r.result and r.result[0] == "error" for r in ranks)
+
+
+class _Pickler(cloudpickle.Pickler):
+    """cloudpickle's pickler, except that code sent by value keeps its file's name.
+
+    cloudpickle sends by value what a rank cannot import: a notebook cell's functions, a script's
+    (`python job.py`, `python -m pkg.job`: its `__main__`), lambdas and nested functions; and it
+    names all that code "<dynamic-code>". A rank's traceback would then name every such line "your
+    cell", a script's too. With the file's name kept, frames.py names a cell's line "your cell, line
+    7" (its file is the kernel's) and a script's "job.py:440", and the traceback shows the source."""
+
+    dispatch_table = ChainMap({types.CodeType: _code_with_its_file}, cloudpickle.Pickler.dispatch_table)
+
+
+def _dumps(obj):
+    with io.BytesIO() as f:
+        _Pickler(f).dump(obj)
+        return f.getvalue()
 
 
 def _run(job, ranks, timeout, memory_limit_gb, echo):

@@ -1,0 +1,122 @@
+"""One optimizer step of the job: the micro-batch loop, the loss scale, clipping.
+
+train_step is the loop lesson 10 teaches, on the rank's device: forward, the loss divided by
+the number of micro-batches, backward, for each micro-batch; then clipping and opt.step().
+"""
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .data import global_batch
+from .options import HALF
+
+
+class LossScaling:
+    """fp16 at stages 0 and 3, whose optimizer is a plain torch one: lesson 06's dynamic loss scale
+    around it, through the same MixedPrecisionState that zerokit.ZeRO1/ZeRO2 hold for
+    MixedPrecision("fp16") at stages 1 and 2. After backward the gradients (fp32: DataParallel's
+    replicated mean, FullyShard's reduced shards) are divided by the scale in place, and one
+    all-reduce of a flag tells every rank whether any rank saw an inf or nan: then every rank skips
+    the step and the scale halves, so the ranks' scales and weights never part."""
+
+    def __init__(self):
+        from zerokit.mixed_precision import MixedPrecision, precision_state
+
+        self.precision = precision_state(MixedPrecision("fp16"))
+        self.scaler = self.precision.scaler  # the LossScaler: its scale and counters
+
+    def load(self, state):
+        """From a checkpoint's train.json: a resumed run goes on with the scale it had."""
+        self.scaler.scale, self.scaler.clean_steps, self.scaler.skipped_steps = state
+
+    def state(self):
+        return [self.scaler.scale, self.scaler.clean_steps, self.scaler.skipped_steps]
+
+    def scale(self, loss):
+        return self.precision.scale_loss(loss)
+
+    @torch.no_grad()
+    def unscale_and_check(self, model):
+        """Divide the gradients by the scale; True when every rank's are finite (the step may go on)."""
+        # fp32 gradients: fp32_gradients divides these very tensors (.float() of fp32 is itself)
+        self.precision.fp32_gradients([p.grad for p in model.parameters() if p.grad is not None])
+        return self.precision.should_step()
+
+
+def loss_scaling(args):
+    """A LossScaling where this job needs one of its own (fp16, stage 0 or 3), else None."""
+    own = args.stage in (0, 3) and not args.offload  # the lessons' ZeRO3Adam scales its loss itself
+    return LossScaling() if args.precision == "fp16" and own else None
+
+
+def skipped_steps(opt, scaler):
+    """Steps an fp16 loss scale skipped (an inf or nan on some rank), or None without one."""
+    inner = getattr(getattr(opt, "precision", None), "scaler", None)  # ZeRO1/ZeRO2's MixedPrecision("fp16")
+    found = scaler.scaler if scaler is not None else inner
+    return None if found is None else found.skipped_steps
+
+
+def autocast_for(args, device=None):
+    """torch.autocast on `device`'s type (default the CPU) in the job's 16-bit dtype where the stage
+    computes under it (uses_autocast), else off."""
+    kind = torch.device(device or "cpu").type
+    return torch.autocast(kind, dtype=HALF.get(args.precision, torch.bfloat16), enabled=uses_autocast(args))
+
+
+def train_step(args, model, opt, train_text, step, rows, autocast, scaler=None, device=None):
+    """Forward, backward (over --accum micro-batches), clipping and opt.step() of `step` on this
+    rank's `rows` of the global batch; the rank's mean loss (a tensor on `device`, default the CPU).
+    The caller zeroes the gradients. scaler: fp16's LossScaling at stages 0 and 3 (a step with an
+    inf or nan on some rank is skipped)."""
+    x, y = global_batch(train_text, step, args.batch, args.seq_len, args.seed)  # drawn on the CPU
+    x, y = x[rows].to(device, non_blocking=True), y[rows].to(device, non_blocking=True)
+    total = torch.zeros((), device=device)
+    for k in range(args.accum):
+        xs, ys = x[k::args.accum], y[k::args.accum]
+        with autocast:
+            logits = model(xs)
+        loss = F.cross_entropy(logits.float().reshape(-1, 256), ys.reshape(-1))
+        scaled = loss / args.accum
+        if scaler is not None:
+            scaled = scaler.scale(scaled)
+        elif hasattr(opt, "scale_loss"):  # zerokit.ZeRO1/ZeRO2: the loss scale of MixedPrecision("fp16"), or 1
+            scaled = opt.scale_loss(scaled)
+        scaled.backward()
+        total += loss.detach() / args.accum
+    if scaler is not None and not scaler.unscale_and_check(model):
+        return total  # an overflow on some rank: every rank skips this step
+    if args.clip is not None:
+        clip_(args, model, opt)
+    opt.step()
+    return total
+
+
+def uses_autocast(args):
+    """16 bits by torch.autocast: zerokit's stage 0 and the DDP-based peers (stages 0 and 1), whose
+    weights stay fp32; the other stages hold 16-bit weights themselves (MixedPrecision, compute_dtype,
+    FSDP2's MixedPrecisionPolicy)."""
+    return args.precision != "fp32" and (args.stage == 0 or (args.impl == "torch" and args.stage == 1))
+
+
+def clip_(args, model, opt):
+    """Scale the gradient to global norm --clip; the norm before. Each stage knows its gradients:
+    replicated and averaged (0), or disjoint shards whose squares add up over the ranks (1-3)."""
+    if args.impl == "torch":
+        # DDP's gradients are the replicated mean and FSDP2's are DTensor shards: torch's clip knows both
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    if args.stage in (1, 2) or args.offload:  # zerokit's ZeRO optimizers clip their own reduced shards
+        return float(opt.clip_grad_norm_(args.clip))
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if not grads:
+        sq = torch.zeros((), device=next(model.parameters()).device)
+    else:
+        sq = torch.stack([g.float().pow(2).sum() for g in grads]).sum()
+    if args.stage == 3:
+        dist.all_reduce(sq)
+    norm = float(sq.sqrt())
+    if norm > args.clip:
+        for g in grads:
+            g.mul_(args.clip / (norm + 1e-6))
+    return norm
