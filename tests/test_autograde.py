@@ -274,18 +274,24 @@ def test_grades_csv_has_a_row_per_student_and_a_column_per_lesson_and_cell(grade
 
 def _hidden_test_lines(lesson):
     """Every line of the hidden tests of `lesson` (solutions/), markers left out, that could only
-    come from there: not a line students see in lessons/ too, nor one as short as `})`."""
+    come from there: not a line students see in lessons/ too, nor one as short as `})`. Nor the
+    text of a `questions.explain(...)`: the explanation of the answers, which the hidden tests
+    print so that the feedback shows it (zerokit.grading.questions), is meant to be seen there."""
     nb = json.loads((ROOT / "solutions" / lesson / f"{lesson}.ipynb").read_text())
     released = json.loads((ROOT / "lessons" / lesson / f"{lesson}.ipynb").read_text())
     visible = {line.strip() for cell in released["cells"] for line in "".join(cell["source"]).splitlines()}
     lines = []
     for cell in nb["cells"]:
-        inside = False
+        inside = explaining = False
         for line in "".join(cell["source"]).splitlines():
             if "BEGIN HIDDEN TESTS" in line:
                 inside = True
             elif "END HIDDEN TESTS" in line:
                 inside = False
+            elif explaining:
+                explaining = not line.strip().startswith('""")')
+            elif inside and "questions.explain(" in line:
+                explaining = not line.rstrip().endswith('""")')
             elif inside and len(line.strip()) >= 8 and line.strip() not in visible:
                 lines.append(line.strip())
     assert lines, f"{lesson} has no hidden tests to look for"
