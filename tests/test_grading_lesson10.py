@@ -46,7 +46,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import zerokit
 import zerokit.checkpoint
-from zerokit.train import clip_, global_batch, last_checkpoint
+from zerokit.train import clip_, global_batch, gradient_sync, last_checkpoint
 """
 
 # the broken loops below are sent to the ranks by value, like a notebook's

@@ -4,6 +4,10 @@ A small GPT (TinyTransformer on bytes) on the standard library's source, 4 steps
 sequences of 32 bytes, fp32 unless said:
 - the same loss curve at N = 1, 2 and 4 and at every stage (0-3), within 1e-5 per step:
   the batch of a step is a function of the step alone, split over the ranks;
+- accumulation reduces once a step (the micro-batches but the last without communication), so
+  at N = 2 the four stages' curves are one, to the bit, over 40 steps; --sync-each-micro-batch
+  reduces every micro-batch (twice the gradient collectives); --reshard-after-forward true, false
+  and 2 (hpZ) at stage 3 on 4 ranks give the same curve bit for bit, and FSDP2's with the same;
 - bf16 (each stage's own mixed precision) within 2% of fp32's mean loss;
 - two torchrun agents on this machine acting as two nodes of 2 processes (c10d rendezvous on
   127.0.0.1, the same command on both, no --node-rank) give the same losses, bit for bit, as one
@@ -77,6 +81,59 @@ def test_every_stage_at_every_world_size_has_the_same_loss_curve():
     for world_size in (2, 4):
         for stage, result in enumerate(run_ranks(_runs, world_size, stages)[0]):
             assert _close(_losses(result), reference), (world_size, stage, _losses(result), reference)
+
+
+def _counted(rank, world_size, configs):
+    """Each config's result, with the reduce-scatters and all-reduces its whole run issued."""
+    import zerokit
+
+    out = []
+    for extra in configs:
+        with zerokit.CommCounter() as c:
+            result = train(rank, world_size, parse_args(SMALL + extra))
+        out.append((result, c.count("reduce_scatter"), c.count("all_reduce")))
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_accumulation_reduces_once_a_step_and_the_stages_agree_to_the_bit():
+    # 2 micro-batches a rank: by default every backward but the last keeps its gradient where it is
+    # (no_sync, set_requires_gradient_sync(False)), so each stage sums the same two gradients on a
+    # rank, then reduces once; at N = 2 a sum of two and a halving are exact, so the four stages'
+    # curves are one, to the bit, over 40 steps. --sync-each-micro-batch reduces each backward: twice
+    # the gradient collectives at stages 0, 2 and 3 (stage 1 reduces in step() either way), and the
+    # sums are associated otherwise (measured here: stage 0 then 4.8e-7 off the others within 40
+    # steps, where the four are bitwise one curve by default).
+    steps = ["--steps", "40", "--accum", "2"]
+    configs = [["--stage", str(s), *steps] for s in range(4)]
+    configs += [["--stage", str(s), *steps, "--sync-each-micro-batch"] for s in (0, 2, 3)]
+    got = run_ranks(_counted, 2, configs)[0]
+    once, each = got[:4], dict(zip((0, 2, 3), got[4:]))
+    curves = [_losses(r) for r, _, _ in once]
+    assert all(c == curves[0] for c in curves), [max(abs(a - b) for a, b in zip(c, curves[0])) for c in curves]
+    for stage, (r2, rs2, ar2) in each.items():
+        _, rs1, ar1 = once[stage]
+        assert _close(_losses(r2), curves[0]), (stage, _losses(r2), curves[0])
+        if stage in (2, 3):  # reduce-scatters: one per bucket and backward
+            assert rs1 > 0 and rs2 == 2 * rs1, (stage, rs1, rs2)
+        else:  # stage 0's all-reduces: one per bucket and backward, beside the same bookkeeping (the loss's)
+            assert ar2 > ar1, (stage, ar1, ar2)
+
+
+@pytest.mark.timeout(240)
+def test_reshard_after_forward_changes_what_is_held_not_the_curve():
+    # stage 3 on 4 ranks as 2 nodes of 2: the blocks freed after forward (true), kept (false), or kept
+    # as a shard over 2 ranks (hpZ); the same numbers each way, bitwise (tests/test_fully_shard_controls
+    # measures the memory and the bytes); FSDP2 with the same setting follows the same curve
+    settings = ["true", "false", "2"]
+    configs = [["--stage", "3", "--reshard-after-forward", k] for k in settings]
+    configs.append(["--stage", "3", "--reshard-after-forward", "2", "--impl", "torch"])
+    *ours, peer = run_ranks(_runs, 4, configs)[0]
+    curves = [_losses(r) for r in ours]
+    assert all(c == curves[0] for c in curves), dict(zip(settings, curves))
+    assert _close(_losses(peer), curves[0]), (_losses(peer), curves[0])
+    with pytest.raises(SystemExit):
+        parse_args(SMALL + ["--stage", "2", "--reshard-after-forward", "false"])  # stage 3's control only
 
 
 @pytest.mark.timeout(240)

@@ -81,7 +81,7 @@ RTOL = 1e-5  # per step's loss, relative: fp32 summed in another order over the 
 _TRAIN_TEXT = 0.95  # the first 95% of the corpus is the training text (zerokit.train)
 
 _USED = ("your loop called zerokit.train's own {name}: the exercise is to write the loop from the pieces "
-         "(zerokit.checkpoint.save / load, zerokit.train.last_checkpoint, global_batch, clip_)")
+         "(zerokit.checkpoint.save / load, zerokit.train.last_checkpoint, global_batch, gradient_sync, clip_)")
 NO_ZEROKIT_LOOP = [(zerokit_train, name, _USED.format(name=name)) for name in ("train", "resume", "save_checkpoint")]
 
 

@@ -88,14 +88,15 @@ from .peers import build_peer, holdings
 from .show import PROMPT, generate, label, load_run, model_state_bytes, plot_losses, readable, report_memory, \
     show_sample
 from .speed import flops_per_token, peak_tflops
-from .step import LossScaling, autocast_for, clip_, loss_scaling, skipped_steps, train_step, uses_autocast
+from .step import (LossScaling, autocast_for, clip_, gradient_sync, loss_scaling, skipped_steps, train_step,
+                   uses_autocast)
 
 __all__ = [
     "DATA_KEYS", "HALF", "KILL_ENV", "PRESETS", "PROMPT", "STAGES", "THEORY_STAGE", "LossScaling", "Optimizers",
     "Placement", "autocast_for", "build", "build_muon", "build_peer", "checkpoints", "checksum", "clip_", "corpus",
-    "evaluate", "flops_per_token", "generate", "global_batch", "gpt", "holdings", "init_under_torchrun",
-    "kill_point", "label", "last_checkpoint", "load_run", "loss_scaling", "main", "model_state_bytes",
-    "parse_args", "parts", "peak_tflops", "placement", "plot_losses", "readable", "report_memory", "resume",
-    "save_checkpoint", "scan", "shape", "show_sample", "skipped_steps", "texts", "train", "train_step",
-    "uses_autocast",
+    "evaluate", "flops_per_token", "generate", "global_batch", "gpt", "gradient_sync", "holdings",
+    "init_under_torchrun", "kill_point", "label", "last_checkpoint", "load_run", "loss_scaling", "main",
+    "model_state_bytes", "parse_args", "parts", "peak_tflops", "placement", "plot_losses", "readable",
+    "report_memory", "resume", "save_checkpoint", "scan", "shape", "show_sample", "skipped_steps", "texts",
+    "train", "train_step", "uses_autocast",
 ]

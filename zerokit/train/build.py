@@ -56,7 +56,8 @@ def build(args, world_size, device=None):
     if args.impl == "torch":
         from .peers import build_peer
 
-        return (*build_peer(args.stage, model, bf16=bf16, device=device, **hyper), n)
+        return (*build_peer(args.stage, model, bf16=bf16, device=device,
+                            reshard_after_forward=args.reshard_after_forward, **hyper), n)
     if args.stage == 0:
         model = zerokit.DataParallel(model)
         return model, torch.optim.AdamW(model.parameters(), **hyper), n
@@ -66,7 +67,8 @@ def build(args, world_size, device=None):
         cls = zerokit.ZeRO1 if args.stage == 1 else zerokit.ZeRO2
         return model, cls(model.parameters(), torch.optim.AdamW, precision=precision, **hyper), n
     blocks = list(model.blocks)
-    model = zerokit.FullyShard(model, units=blocks, compute_dtype=half)
+    model = zerokit.FullyShard(model, units=blocks, compute_dtype=half,
+                               reshard_after_forward=args.reshard_after_forward)
     return model, torch.optim.AdamW(model.parameters(), **hyper), n
 
 

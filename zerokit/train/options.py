@@ -43,6 +43,18 @@ def parse_args(argv=None):
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--sync-each-micro-batch", action="store_true",
+                   help="reduce every micro-batch's gradient (k reductions a step). Default: the micro-batches but "
+                        "the last accumulate without communication (DataParallel's and ZeRO-2's no_sync, "
+                        "FullyShard's set_requires_gradient_sync(False); ZeRO-1 reduces once in step() anyway), "
+                        "one reduction a step; at stages 2 and 3 that holds the unsharded gradient (4 Psi) "
+                        "between micro-batches instead of 4 Psi / N")
+    p.add_argument("--reshard-after-forward", type=_reshard, default=None, metavar="true|false|K",
+                   help="stage 3 (FullyShard, and FSDP2 under --impl torch): after a block's forward, free its "
+                        "weights (true: gathered again for backward), keep them (false: no second all-gather, "
+                        "ZeRO-2's memory for the parameters), or keep a shard of them over K ranks (hpZ: "
+                        "backward's all-gather stays within K ranks, one node); default: true for the blocks, "
+                        "false for the root, as FSDP2's default")
     p.add_argument("--clip", type=float, default=None, help="clip the gradient's global norm to this")
     p.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
                    help="muon: Muon on the blocks' matrices (lesson 09; at stage 1 zerokit.ZeRO1Muon, each matrix "
@@ -103,6 +115,20 @@ def parse_args(argv=None):
     return args
 
 
+def _reshard(text):
+    """--reshard-after-forward's value: true, false or a positive integer."""
+    low = text.strip().lower()
+    if low in ("true", "false"):
+        return low == "true"
+    try:
+        k = int(low)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give true, false or a number of ranks K") from None
+    if k < 1:
+        raise argparse.ArgumentTypeError(f"{k}: K is a number of ranks, 1 or more")
+    return k
+
+
 def _preset_parser():
     """--preset alone, read before the other options: its values become their defaults."""
     p = argparse.ArgumentParser(add_help=False)
@@ -134,6 +160,9 @@ def _refuse_combinations(p, args):
             p.error("--optimizer muon at --stage 1 takes neither --clip (ZeRO1Muon reduces the gradients inside "
                     "step(): there is no mean gradient before it to clip) nor a 16-bit --precision (its matrices stay "
                     "fp32): use --stage 0")
+    if args.reshard_after_forward is not None and (args.stage != 3 or args.offload):
+        p.error("--reshard-after-forward is a control of stage 3's FullyShard (and of FSDP2 under --impl torch): "
+                "give --stage 3, without --offload (the lessons' ZeRO3Adam reshards after every forward)")
     if args.resume and args.overwrite:
         p.error("--resume goes on from the checkpoints and --overwrite deletes them: give one of the two")
     if args.keep is not None and args.keep < 1:

@@ -29,13 +29,14 @@ ZERO_REDUNDANCY_OPTIONS = {"parameters_as_bucket_view": True}
 MODEL_STATE = ("parameters", "gradients", "optimizer_states")
 
 
-def build_peer(stage, model, *, bf16=False, device=None, **hyper):
+def build_peer(stage, model, *, bf16=False, device=None, reshard_after_forward=None, **hyper):
     """(model, optimizer): PyTorch's own implementation of `stage` on `model` (already on `device`),
     with torch.optim.AdamW(**hyper).
 
     bf16: autocast for the DDP-based peers (their weights stay fp32; the caller enters
     torch.autocast), FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) for the
-    others, as zerokit.train does for its own stages."""
+    others, as zerokit.train does for its own stages. reshard_after_forward: stage 3's blocks' setting
+    (None: FSDP2's default), as --reshard-after-forward gives it to FullyShard."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -59,9 +60,13 @@ def build_peer(stage, model, *, bf16=False, device=None, **hyper):
         # of the updated weights); stage 3: FSDP2's default, the blocks reshard after forward and
         # are gathered again for backward, the root stays gathered
         reshard = False if stage == 2 else None
+        blocks = reshard if reshard_after_forward is None else reshard_after_forward
         for block in model.blocks:  # FullyShard's units: one per block, the root keeps the rest
-            fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
-        fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+            fully_shard(block, mesh=mesh, reshard_after_forward=blocks, mp_policy=policy)
+        # the root: FSDP2 keeps it gathered by default (None), as FullyShard's root unit; an explicit
+        # setting is the root's too, as FullyShard's reshard_after_forward covers every unit
+        root = reshard if reshard_after_forward is None else reshard_after_forward
+        fully_shard(model, mesh=mesh, reshard_after_forward=root, mp_policy=policy)
         return model, torch.optim.AdamW(model.parameters(), **hyper)
     raise ValueError(f"stage must be 0, 1, 2 or 3, not {stage!r}")
 

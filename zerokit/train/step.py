@@ -1,11 +1,13 @@
 """One optimizer step of the job: the micro-batch loop, the loss scale, clipping.
 
 train_step is the loop lesson 10 teaches, on the rank's device: forward, the loss divided by
-the number of micro-batches, backward, for each micro-batch; then clipping and opt.step().
+the number of micro-batches, backward, for each micro-batch, every backward but the last
+without communication (gradient_sync); then clipping and opt.step().
 """
 
+from contextlib import contextmanager, nullcontext
+
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from .data import global_batch
@@ -74,15 +76,16 @@ def train_step(args, model, opt, train_text, step, rows, autocast, scaler=None, 
     total = torch.zeros((), device=device)
     for k in range(args.accum):
         xs, ys = x[k::args.accum], y[k::args.accum]
-        with autocast:
-            logits = model(xs)
-        loss = F.cross_entropy(logits.float().reshape(-1, 256), ys.reshape(-1))
-        scaled = loss / args.accum
-        if scaler is not None:
-            scaled = scaler.scale(scaled)
-        elif hasattr(opt, "scale_loss"):  # zerokit.ZeRO1/ZeRO2: the loss scale of MixedPrecision("fp16"), or 1
-            scaled = opt.scale_loss(scaled)
-        scaled.backward()
+        with gradient_sync(args, model, opt, last=k == args.accum - 1):
+            with autocast:
+                logits = model(xs)
+            loss = F.cross_entropy(logits.float().reshape(-1, 256), ys.reshape(-1))
+            scaled = loss / args.accum
+            if scaler is not None:
+                scaled = scaler.scale(scaled)
+            elif hasattr(opt, "scale_loss"):  # zerokit.ZeRO1/ZeRO2: the loss scale of MixedPrecision("fp16"), or 1
+                scaled = opt.scale_loss(scaled)
+            scaled.backward()
         total += loss.detach() / args.accum
     if scaler is not None and not scaler.unscale_and_check(model):
         return total  # an overflow on some rank: every rank skips this step
@@ -90,6 +93,37 @@ def train_step(args, model, opt, train_text, step, rows, autocast, scaler=None, 
         clip_(args, model, opt)
     opt.step()
     return total
+
+
+def gradient_sync(args, model, opt, last):
+    """The context a micro-batch's forward and backward run in: on every micro-batch but the last,
+    gradients accumulate where backward leaves them, with no communication (lesson 08's no_sync);
+    the last one's backward reduces their sum once. Each stage's own switch:
+        0  DataParallel.no_sync() (DDP's under --impl torch)
+        1  none: ZeRO-1 reduces once, in step(), whatever backward did
+        2  ZeRO2's no_sync() (FSDP2's set_requires_gradient_sync under --impl torch)
+        3  FullyShard's set_requires_gradient_sync(False), as FSDP2's
+    With one reduction a step every stage sums the same gradients in the same order, so at N = 2
+    (where a sum of two is one addition and the mean a halving, both exact) the stages agree to the
+    bit. --sync-each-micro-batch reduces every micro-batch instead: k reductions, and at stages 2
+    and 3 only a shard of the gradient held between micro-batches (4 Psi / N, not 4 Psi)."""
+    if last or args.sync_each_micro_batch:
+        return nullcontext()
+    if hasattr(model, "set_requires_gradient_sync"):  # FullyShard, FSDP2's fully_shard
+        return _sync_off(model)
+    for owner in (model, opt):  # DataParallel and DDP (the model); ZeRO2, ZeRO2Adam, ZeRO3Adam (the optimizer)
+        if hasattr(owner, "no_sync"):
+            return owner.no_sync()
+    return nullcontext()  # ZeRO-1 (and Muon's owners): nothing is reduced before step()
+
+
+@contextmanager
+def _sync_off(model):
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
 
 
 def uses_autocast(args):
@@ -101,20 +135,21 @@ def uses_autocast(args):
 
 def clip_(args, model, opt):
     """Scale the gradient to global norm --clip; the norm before. Each stage knows its gradients:
-    replicated and averaged (0), or disjoint shards whose squares add up over the ranks (1-3)."""
+    replicated and averaged (0), or disjoint shards whose squares add up over the ranks (1-3: the
+    optimizers' and FullyShard's own clip_grad_norm_)."""
     if args.impl == "torch":
         # DDP's gradients are the replicated mean and FSDP2's are DTensor shards: torch's clip knows both
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
     if args.stage in (1, 2) or args.offload:  # zerokit's ZeRO optimizers clip their own reduced shards
         return float(opt.clip_grad_norm_(args.clip))
+    if args.stage == 3:  # FullyShard: the norm over every rank's shard pieces (torch's clip would refuse them)
+        return float(model.clip_grad_norm_(args.clip))
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     if not grads:
         sq = torch.zeros((), device=next(model.parameters()).device)
     else:
         sq = torch.stack([g.float().pow(2).sum() for g in grads]).sum()
-    if args.stage == 3:
-        dist.all_reduce(sq)
     norm = float(sq.sqrt())
     if norm > args.clip:
         for g in grads:
