@@ -50,8 +50,13 @@ SOLUTION = exercise_module("09_muon", "solutions", ["muon_class"], PRELUDE)
 STUDENT = exercise_module("09_muon", "lessons", ["muon_class"], PRELUDE)
 Solution = SOLUTION.MyZeRO1Muon
 
+def _numerics_visible(cls):
+    lesson09.check_numerics(cls, world_size=2, model="transformer", same_data=True)
+    lesson09.check_numerics(cls, world_size=2, model="branch", steps=4)  # step 4: a gradient on rank 0 only
+
+
 CHECKS = {
-    "numerics": lambda cls: lesson09.check_numerics(cls, world_size=2, model="transformer", same_data=True),
+    "numerics": _numerics_visible,
     "state": lambda cls: lesson09.check_state(cls, world_size=2, model="transformer"),
     "traffic": lambda cls: lesson09.check_traffic(cls, world_size=2, model="transformer"),
     "balance": lambda cls: lesson09.check_balance(cls, world_size=2),
@@ -83,6 +88,10 @@ def test_untouched_student_notebook_fails_every_check():
     ("element_balanced", examples.ELEMENT_BALANCED, {"balance": "balanced by element count"}),
     ("momentum_everywhere", examples.MOMENTUM_EVERYWHERE, {"state": "is kept on 2 ranks"}),
     ("sums", examples.SUMS_GRADIENTS, {"numerics": "summed, not averaged"}),
+    ("skips_own_grad", examples.SKIPS_OWN_GRAD, {"numerics": "a skip decided from this rank's own .grad"}),
+    ("momentum_created", examples.MOMENTUM_CREATED_EVERYWHERE, {"state": "on all but one as zeros"}),
+    ("unwaited_reduce", examples.UNWAITED_REDUCE, {"numerics": "had not been waited for"}),
+    ("rows_per_rank", examples.ROWS_PER_RANK, {"numerics": "Newton-Schulz of a slice"}),
 ])
 def test_example_defects_fail_exactly_their_checks(name, edit, expected, capsys):
     fails_exactly(CHECKS, _example(name, edit), expected, capsys)
@@ -245,4 +254,4 @@ def test_the_other_checks_pass_what_they_do_not_judge(capsys):
     """Traffic and balance are blind to the numbers, numerics to the traffic: one bug costs one check."""
     for cls, check in ((SGDInstead, "traffic"), (TextbookMomentum, "balance"), (AllReduceToOwner, "numerics")):
         CHECKS[check](cls)
-    assert capsys.readouterr().out.count("✓") == 3
+    assert capsys.readouterr().out.count("✓") == 4  # the numerics check is two (transformer, branch)

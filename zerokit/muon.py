@@ -16,8 +16,9 @@ runs its update on the whole matrix:
 3. the owner sends the new matrix to every rank (a `broadcast`, $\Psi$ again).
 
 $2\Psi$, as ZeRO-1 AdamW, and the momentum ($4\Psi$ bytes in fp32) is divided among the
-ranks by matrix, not by element. Newton-Schulz costs about $m\,n\,\min(m, n)$ per matrix,
-so owners are chosen to balance that cost (`assign_owners`), not the element count.
+ranks by matrix, not by element. One Newton-Schulz iteration on a wide $m \times n$ matrix
+($m \le n$) costs $2m^2n + m^3$ multiply-adds, so owners are chosen to balance that cost
+(`assign_owners`), not the element count.
 
 Only 2-D parameters, as `torch.optim.Muon`: biases, norms and (as torch's documentation
 advises) embeddings and the output head go to an elementwise optimizer on flat shards, e.g.
@@ -79,9 +80,13 @@ def muon_update_(param, grad, momentum_buffer, *, lr, weight_decay, momentum, ne
 
 
 def newton_schulz_cost(shape):
-    """Multiply-adds of one Newton-Schulz iteration, up to a constant: m·n·min(m, n)."""
-    rows, cols = shape[:2]
-    return rows * cols * min(rows, cols)
+    """Multiply-adds of one Newton-Schulz iteration on a matrix of `shape`: with m ≤ n its two
+    sides (the iteration runs on the wide orientation), A = X Xᵀ costs m²n, A² costs m³ and
+    (bA + cA²) X costs m²n: 2m²n + m³. (The m·n of the scalings is left out.) For a thin matrix
+    that is about 2m²n; for a square one 3m³: per element, a square matrix costs 1.5 times what
+    m·n·min(m, n) says, which matters when thin and square matrices share the owners."""
+    m, n = sorted(shape[:2])
+    return 2 * m * m * n + m ** 3
 
 
 def assign_owners(shapes, world_size):

@@ -2,7 +2,7 @@
 
 Points: test_gather_free 2 (exercise 1, gather and free), test_matches_adamw 4,
 test_parameters_sharded 4, test_communication 3 (exercise 2, the hooks), test_understanding 2
-(the questions; every defect below answers them right). The hook checks
+(the questions; every defect below but rounds_the_answer answers them right). The hook checks
 run the student's hooks on zerokit's gather/free, so a defect in one exercise costs that
 exercise only; and right numbers from full copies cost test_parameters_sharded.
 """
@@ -115,6 +115,35 @@ _FREES_ROOT = '''
         for bi in self._buckets_of_unit[u]:  # BUG: the root too, so backward gathers it again
             self._free(bi)
 '''
+# A multi-grad hook with mode="all": it fires at the last output's gradient, after autograd has
+# gone into a unit with several outputs (mix returns a dict of two tensors) on its empty weights.
+_MODE_ALL = '''
+    def _post_forward(self, u, module, args, output):
+        backward_coming = torch.is_grad_enabled()
+        if backward_coming:
+            tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            if tensors:
+                register_multi_grad_hook(tensors, partial(self._pre_backward, u), mode="all")  # BUG: "any"
+        if u != 0 or not backward_coming:
+            for bi in self._buckets_of_unit[u]:
+                self._free(bi)
+'''
+# _gather_unit waits for u's transfer before it starts the next unit's (hint 3's pitfall).
+_WAITS_FIRST = '''
+    def _gather_unit(self, u, prefetch_next=None):
+        for bi in self._buckets_of_unit[u]:
+            self._start_gather(bi)
+        for bi in self._buckets_of_unit[u]:
+            self._finish_gather(bi)  # BUG: before the next unit's _start_gather
+        if self.prefetch and prefetch_next is not None:
+            for bi in self._buckets_of_unit[prefetch_next]:
+                self._start_gather(bi)
+'''
+# In backward, the prefetch takes the next unit in *forward* order: one whose backward is over.
+_BACKWARD_PREFETCH_FORWARD_ORDER = '''
+    def _pre_backward(self, u, grad):
+        self._gather_unit(u, prefetch_next=self._next_in_forward(u))  # BUG: _next_in_backward
+'''
 
 
 def _mechanics(student_id, defect, method, code, reason):
@@ -124,10 +153,11 @@ def _mechanics(student_id, defect, method, code, reason):
                           "understanding": SOLUTION})
 
 
-def _hooks(student_id, defect, test, code, reason):
-    """A student whose exercise 2 _post_forward has one bug (exercise 1 right): it costs `test` only."""
-    return Student(student_id, defect, {**FULL, test: 0}, reason=reason,
-                   cells={"sharded_parameters": SOLUTION, "my_zero3": method_replaced("_post_forward", code),
+def _hooks(student_id, defect, tests, code, reason, method="_post_forward"):
+    """A student whose exercise 2 has one bug in `method` (exercise 1 right): it costs `tests` only."""
+    tests = (tests,) if isinstance(tests, str) else tests
+    return Student(student_id, defect, {**FULL, **dict.fromkeys(tests, 0)}, reason=reason,
+                   cells={"sharded_parameters": SOLUTION, "my_zero3": method_replaced(method, code),
                           "understanding": SOLUTION})
 
 
@@ -156,4 +186,16 @@ STUDENTS = [
            "dict crashes it", "test_matches_adamw", _ONE_TENSOR_OUTPUT, "the hook assumed one tensor output"),
     _hooks("frees_root_after_forward", "the root unit freed after its forward and gathered again in backward",
            "test_communication", _FREES_ROOT, "freed after its forward and gathered again for backward"),
+    _hooks("mode_all_hook", 'the multi-grad hook registered with mode="all": a unit returning a dict of two '
+           "tensors is entered before it fires", "test_matches_adamw", _MODE_ALL, 'mode="all" fires once the last'),
+    _hooks("waits_before_prefetch", "_gather_unit waits for u's transfer before it starts the next unit's",
+           "test_communication", _WAITS_FIRST, "but not the wait for", method="_gather_unit"),
+    # a wrong prefetch target in backward costs memory (a finished unit gathered again) and the overlap
+    _hooks("backward_prefetch_forward_order", "in backward, the prefetch takes the next unit in forward order",
+           ("test_parameters_sharded", "test_communication"), _BACKWARD_PREFETCH_FORWARD_ORDER,
+           "_next_in_backward", method="_pre_backward"),
+    Student("rounds_the_answer", "the paper's model state given to three digits (1880 MB), the exercises right",
+            {**FULL, "test_understanding": 0}, reason="zero3_mb_paper (you gave 1880)",
+            cells={"sharded_parameters": SOLUTION, "my_zero3": SOLUTION,
+                   "understanding": lambda solution: solution + 'answers["zero3_mb_paper"] = 1880  # BUG: 1875\n'}),
 ]

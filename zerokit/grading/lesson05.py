@@ -13,8 +13,8 @@ own slice of the batch, and looks at one thing:
 
 - check_gather_free           the mechanics alone: one all-gather per gather, on self.group
                               (the class is given a group of its own: an all-gather without
-                              group= runs on the default group), waited for before the
-                              views are installed (each transfer delivers its data only at
+                              group= runs on the default group), its work waited for before
+                              _finish_gather returns (each transfer delivers its data only at
                               wait(): kit.lazy_transfers), a prefetch is not gathered twice,
                               the values are every rank's current shard in place, _free
                               empties the parameters and releases the buffer's memory in
@@ -25,19 +25,27 @@ own slice of the batch, and looks at one thing:
                               steps under zerokit's hooks on BranchNet, whose second step
                               skips a unit: no gathered buffer stays allocated between steps;
 - check_numerics              weights, gradient shards and Adam's m and v shards against
-                              one process running torch.optim.AdamW, every step;
+                              one process running torch.optim.AdamW, every step; on units
+                              with several outputs (awkward, units="children"), a backward
+                              that fails on empty weights is explained by when the hooks
+                              fired (_EntryWatch: a hook on one output, or mode="all");
 - check_memory                the stage's point: every parameter empty between steps, the
                               bytes this rank holds at rest ~ (4 + 8) Ψ/N (census), each unit
                               full during its forward and freed right after it, freed in
                               backward once its gradients are sent, and the peak of live
-                              parameter bytes inside forward far below a full copy; after
-                              an eval forward under torch.no_grad(), every unit freed (the
-                              root too: no backward follows);
+                              parameter bytes inside forward within the shards, the root and
+                              two units; no unit gathered in backward after its gradients
+                              were sent (a backward prefetch in forward order); after an eval
+                              forward under torch.no_grad(), every unit freed (the root too,
+                              where it owns parameters, as awkward's does: no backward follows);
 - check_traffic               the price: at most two all-gathers per unit per step (forward,
                               backward), one for the root (full from its forward to the end
                               of backward), one reduce-scatter, ≤ 3Ψ in all (1.5x data parallel),
                               and prefetch: the next unit's all-gather is issued before the
-                              current unit computes (and none ahead with prefetch=False).
+                              current unit computes (and none ahead with prefetch=False), and
+                              the hooks never wait for a unit's transfer before asking for the
+                              next one's (calls from the hooks only: zerokit's mechanics, which
+                              carry one transfer at a time, wait inside _start_gather too).
                               Its ✓ reports what it measured, phase by phase (a ZeRO-3 that
                               never frees passes it at 2Ψ, saying so: check_memory fails it).
 
@@ -220,10 +228,72 @@ def _forward(model_name, model, x, y, step):
         raise
 
 
-def _backward(loss, step):
+def _leaf_names(output):
+    """A name for each leaf of a unit's output, in tree_flatten's order: "" for one tensor,
+    "[0]", "[1]" for a tuple or list, "['gate']" for a dict (nested containers: their index)."""
+    leaves = tree_flatten(output)[0]
+    if isinstance(output, dict) and len(leaves) == len(output):
+        return [f"[{k!r}]" for k in output]  # tree_flatten keeps a dict's order
+    if isinstance(output, (tuple, list)) and len(leaves) == len(output):
+        return [f"[{i}]" for i in range(len(output))]
+    return [f"(leaf {i})" if len(leaves) > 1 else "" for i in range(len(leaves))]
+
+
+class _EntryWatch:
+    """Forward hooks registered after the optimizer's, which hook every output tensor of every
+    unit: when the first gradient of a unit's outputs arrives (autograd is about to go into
+    that unit), the unit must be full. A hook on one output only,
+    or one that waits for all of them (register_multi_grad_hook(..., mode="all")), gathers too
+    late for a unit with several outputs: backward then fails on its empty weights, and this
+    names why."""
+
+    def __init__(self, model, opt, units):
+        self.problems, self.handles = [], []
+        for unit in dict.fromkeys(units):  # a unit may hold several buckets
+            buckets = [bi for bi, u in enumerate(units) if u is unit]
+            self.handles.append(unit.register_forward_hook(
+                lambda m, a, out, buckets=buckets, name=_module_name(model, unit): self._hook(opt, name, buckets, out)))
+
+    def _hook(self, opt, name, buckets, output):
+        if not torch.is_grad_enabled():
+            return
+        leaves = [(n, t) for n, t in zip(_leaf_names(output), tree_flatten(output)[0])
+                  if isinstance(t, torch.Tensor) and t.requires_grad]
+        # the optimizer's forward hook ran before this one: which leaves did it hook?
+        hooked = [leaf for leaf, t in leaves if t._backward_hooks]
+        first = []
+        for leaf, t in leaves:
+            t.register_hook(lambda grad, leaf=leaf: self._arrived(opt, name, buckets, leaf, len(leaves), hooked, first))
+
+    def _arrived(self, opt, name, buckets, leaf, count, hooked, first):
+        if first:
+            return
+        first.append(leaf)
+        # after the optimizer's own hooks on this tensor (registered before ours): its gather is done
+        ready = all(p.numel() for bi in buckets for p in opt.buckets[bi].params)
+        if ready or count < 2 or not hooked or self.problems:  # no hook at all: backward's own message says so
+            return
+        why = (f"your hook is on {', '.join(hooked)} only: hook every tensor among the output's leaves that "
+               "requires grad" if len(hooked) < count else
+               "your hook is on every output, but it had not fired: mode=\"all\" fires once the last of them has its "
+               "gradient, after autograd has gone into the unit; mode=\"any\" fires at the first")
+        self.problems.append(
+            f"in backward, when the gradient of {name}'s output {leaf} arrived (the first of its {count} output "
+            f"tensors to get one), {name}'s parameters were still empty: autograd goes into a unit as soon as the "
+            "gradient of any one of its outputs is computed, so the hook that gathers it again must fire then, "
+            f"one multi-grad hook on them all with mode=\"any\"; {why}")
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
+def _backward(loss, step, watch=None):
     try:
         loss.backward()
     except RuntimeError as exc:
+        if watch is not None and watch.problems and _is_shape_error(exc):
+            raise AssertionError(f"step {step + 1}: {watch.problems[0]}") from None
         if _is_shape_error(exc):
             raise AssertionError(
                 f"step {step + 1}: backward failed ({str(exc).splitlines()[0]}): autograd found a unit's parameters "
@@ -534,11 +604,12 @@ def _skipped_unit_case(rank, world_size, cls):
 
 
 def _numerics_case(rank, world_size, cls, model_name, units, ref):
-    model, opt, name_of, _ = _setup(rank, world_size, cls, model_name, units)
+    model, opt, name_of, unit_of_bucket = _setup(rank, world_size, cls, model_name, units)
+    watch = _EntryWatch(model, opt, unit_of_bucket)
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     for step, want in enumerate(ref):
         x, y = _my_slice(model_name, step, world_size, rank)
-        _backward(_forward(model_name, model, x, y, step), step)
+        _backward(_forward(model_name, model, x, y, step), step, watch)
         for bi, b in enumerate(opt.buckets):
             expected = b.shard_of([want["grads"].get(name_of[p]) for p in b.params])
             g = opt.grad_shards[bi]
@@ -630,11 +701,28 @@ def _memory_case(rank, world_size, cls, model_name, units, steps):
         sample()
 
     handles += [p.register_post_accumulate_grad_hook(on_grad) for _, p in trainable]
+    sent = set()  # the buckets whose gradients were sent in this backward
+
+    def sending(bi, send=opt._send):
+        sent.add(bi)
+        send(bi)
+
+    def starting(bi, start=opt._start_gather, opt=opt):
+        if phase[0] == "backward" and bi in sent and bi not in opt._gathering and opt._full[bi] is None \
+                and not problems:
+            problems.append(f"in backward, the all-gather of {bucket_label(bi, buckets[bi], name_of)} was started after "
+                            "its gradients had been sent (its backward was over, nothing needs it again): a prefetch "
+                            "in backward must be of the unit whose backward comes next, the one before it in forward "
+                            "(_next_in_backward), not the next one in forward order")
+        start(bi)
+
+    opt._send, opt._start_gather = sending, starting  # the hooks and zerokit's mechanics call them through self
     for step in range(steps):
         x, y = _my_slice(model_name, step, world_size, rank)
         phase[0] = "forward"
         loss = _forward(model_name, model, x, y, step)
         arrived.clear()
+        sent.clear()
         phase[0] = "backward"
         _backward(loss, step)
         if problems:
@@ -689,8 +777,10 @@ def _memory_case(rank, world_size, cls, model_name, units, steps):
             f"own weights and at most the next unit's (prefetch) beside the shards and the root unit: {bound} bytes "
             f"here; a full copy is {4 * psi}: more units were full or on their way at once (units gathered and not "
             "freed, or prefetched more than one ahead)")
+    root_params = [name_of[p] for b, u in zip(buckets, unit_of_bucket) if u is model for p in b.params]
     return {"psi": psi, "shard_bytes": 4 * shard, "grown": grown, "params_at_rest": params_at_rest,
-            "peak_forward": peak["forward"], "peak_backward": peak["backward"], "bound": bound}
+            "peak_forward": peak["forward"], "peak_backward": peak["backward"], "bound": bound,
+            "root": sum(b.numel for b, u in zip(buckets, unit_of_bucket) if u is model), "root_params": root_params}
 
 
 def _comm_case(rank, world_size, cls, model_name, units, steps):
@@ -704,13 +794,44 @@ def _comm_case(rank, world_size, cls, model_name, units, steps):
         issued = {"forward": [], "backward": []}  # the buckets whose all-gather was issued, by phase
         phase = ["forward"]
 
+        sent = set()  # buckets whose gradients were sent in this backward (their backward is over)
+        regathered = []  # buckets whose all-gather was issued in backward after they were sent
+        waits = []  # (phase, bucket waited for, the buckets full or on their way at that moment)
+
+        asked = set()  # the buckets the hooks asked to gather (_start_gather) in this phase
+        depth = [0]  # calls from the hooks are at depth 0; zerokit's mechanics call each other
+
         def counting(bi, start=opt._start_gather, opt=opt):
             fresh = bi not in opt._gathering and opt._full[bi] is None
-            start(bi)
+            if depth[0] == 0:
+                asked.add(bi)
+            depth[0] += 1
+            try:
+                start(bi)
+            finally:
+                depth[0] -= 1
             if fresh and bi in opt._gathering:
                 issued[phase[0]].append(bi)
+                if phase[0] == "backward" and bi in sent:
+                    regathered.append(bi)
 
-        opt._start_gather = counting  # the hooks and zerokit's _finish_gather call it through self
+        def finishing(bi, finish=opt._finish_gather, opt=opt):
+            # the hooks wait for a transfer here (started now, or earlier): which had they asked for?
+            if depth[0] == 0 and opt._full[bi] is None:
+                waits.append((phase[0], bi, asked | {b for b in range(len(opt.buckets))
+                                                     if b in opt._gathering or opt._full[b] is not None}))
+            depth[0] += 1
+            try:
+                finish(bi)
+            finally:
+                depth[0] -= 1
+
+        def sending(bi, send=opt._send):
+            sent.add(bi)
+            send(bi)
+
+        # the hooks and zerokit's _finish_gather call them through self
+        opt._start_gather, opt._finish_gather, opt._send = counting, finishing, sending
 
         def pre(module, args, bi):
             events.append(("forward", bi, counter[0].count("all_gather")))
@@ -726,7 +847,12 @@ def _comm_case(rank, world_size, cls, model_name, units, steps):
                 register_multi_grad_hook(
                     tensors, lambda grad, bi=bi: events.append(("backward", bi, ready(bi))), mode="any")
 
-        handles = []
+        # every unit in the order this forward runs it (units without a bucket too: a prefetch of
+        # one of those moves nothing)
+        unit_order = []
+        handles = [unit.register_forward_pre_hook(lambda m, a: unit_order.append(m) if m not in unit_order else None,
+                                                  prepend=True)
+                   for unit in unit_list(model, units_of(model, units))]
         for bi, unit in enumerate(unit_of_bucket):
             # prepended: they run before the optimizer's hooks (and their multi-grad hooks fire
             # before its pre-backward), so they see what was issued *before* the unit's turn
@@ -736,8 +862,10 @@ def _comm_case(rank, world_size, cls, model_name, units, steps):
         for step in range(steps):
             x, y = _my_slice(model_name, step, world_size, rank)
             events.clear()
-            for calls in issued.values():
+            for calls in (*issued.values(), regathered, waits, unit_order):
                 calls.clear()
+            sent.clear()
+            asked.clear()
             phase[0] = "forward"
             with CommCounter() as fwd:
                 counter[0] = fwd
@@ -746,24 +874,66 @@ def _comm_case(rank, world_size, cls, model_name, units, steps):
             freed = {bi for bi, b in enumerate(buckets)
                      if bi not in opt._gathering and all(p.numel() == 0 for p in b.params)}
             phase[0] = "backward"
+            asked.clear()
             with CommCounter() as bwd:
                 counter[0] = bwd
                 _backward(loss, step)
             with CommCounter() as stp:
                 opt.step()
                 opt.zero_grad()
+            _check_regathered(step, regathered, names)
             _check_root_gathers(step, issued, buckets, unit_of_bucket, model, name_of)
             ahead = _check_traffic(step, fwd, bwd, buckets, events, names, prefetch, model, unit_of_bucket, freed)
+            overlapped = _check_wait_order(step, waits, unit_order, unit_of_bucket, names, prefetch)
             total = {op: fwd.volume(op) + bwd.volume(op) + stp.volume(op)
                      for op in ("all_gather", "reduce_scatter", "all_reduce")}
             rows.append({"forward": fwd.table(), "backward": bwd.table(), "step": stp.table(), "total": total,
                          "gathered": {"forward": fwd.volume("all_gather"), "backward": bwd.volume("all_gather")},
-                         "ahead": ahead})
+                         "ahead": ahead, "overlapped": overlapped})
         for h in handles:
             h.remove()
         out[prefetch] = {"rows": rows, "psi": sum(b.numel for b in buckets),
                          "padded": sum(b.padded_numel for b in buckets)}
     return out
+
+
+def _check_regathered(step, regathered, names):
+    """No unit is gathered in backward after its gradients were sent: its backward is over."""
+    if regathered:
+        bi = regathered[0]
+        raise AssertionError(
+            f"step {step + 1}: in backward, {names[bi]}'s all-gather was issued after its gradients had been sent (its "
+            "backward was already over): a prefetch in backward must be of the unit whose backward comes next, "
+            "the one before it in forward (_next_in_backward), not the next one in forward order; this gather "
+            "moves a unit nobody needs and keeps it until backward ends")
+
+
+def _check_wait_order(step, waits, unit_order, unit_of_bucket, names, prefetch):
+    """With prefetch, whenever the hooks wait for a unit's transfer, the next unit's (in this phase's
+    order: forward's, or its reverse) is already on its way, so that the two travel together.
+    Returns (such waits, waits checked)."""
+    checked = overlapped = 0
+    for phase, bi, ready in waits:
+        unit = unit_of_bucket[bi]
+        if not prefetch or step == 0 or unit not in unit_order:  # the first step learns the order
+            continue
+        k = unit_order.index(unit) + (1 if phase == "forward" else -1)
+        nxt = [b for b, u in enumerate(unit_of_bucket) if 0 <= k < len(unit_order) and u is unit_order[k]]
+        if not nxt:  # the last unit of the phase, or a next unit that owns no bucket: nothing to prefetch
+            continue
+        checked += 1
+        if all(b in ready for b in nxt):
+            overlapped += 1
+            continue
+        nxt = nxt[0]
+        raise AssertionError(
+            f"step {step + 1}: in {phase}, the hooks waited for {names[bi]}'s all-gather before they had started "
+            f"{names[nxt]}'s, the unit that comes next: {names[nxt]}'s transfer still overlaps {names[bi]}'s compute, "
+            f"but not the wait for {names[bi]}'s own transfer, so the two travel one after the other. Where a unit's "
+            "transfer has not arrived when its turn comes (always the first unit of each phase), that wait is "
+            "time the next transfer could have used: in _gather_unit, start the next unit's gather before waiting "
+            "for this one's")
+    return overlapped, checked
 
 
 def _check_root_gathers(step, issued, buckets, unit_of_bucket, model, name_of):
@@ -830,7 +1000,7 @@ def _check_traffic(step, fwd, bwd, buckets, events, names, prefetch, model, unit
             raise AssertionError(
                 f"step {step + 1}: when {names[bi]}'s backward was about to begin, its parameters were empty "
                 "and no all-gather of them had been issued: with prefetch, the unit whose backward comes next "
-                "(the one before it in forward order) is gathered while the current one computes")
+                "(the one before it in forward order: _next_in_backward) is gathered while the current one computes")
     ahead["backward"] = (sum(backward), len(backward))
     return ahead
 
@@ -855,7 +1025,7 @@ def check_gather_free(cls, world_size=2, model="mlp", timeout=60.0):
     res = run_on_ranks(_gather_free_case, world_size, args=(cls, model), what=f"{cls.__name__} on {model}",
                        timeout=timeout)
     passed(f"{cls.__name__} gathers and frees correctly on {world_size} ranks ({model}, {res[0]['buckets']} buckets): "
-           "one all-gather per gather, on the group it was given, waited for before the views are installed, "
+           "one all-gather per gather, on the group it was given, its work waited for before _finish_gather returned, "
            "prefetches not repeated, every rank's current shard in place, the buffer's memory released by _free "
            "(under autograd's saved views too, and for a prefetch nobody used, once its transfer was waited for) and "
            "refilled by the next gather; in real steps under zerokit's hooks, a unit the model skipped left no "
@@ -892,8 +1062,10 @@ def check_memory(cls, world_size=2, model="nested", units=None, steps=2, timeout
     passed(f"{cls.__name__} keeps parameters sharded on {world_size} ranks ({model}, Ψ = {r['psi']}): between steps "
            f"{r['params_at_rest']} bytes of parameters per rank (its shards: 4Ψ/N = {r['shard_bytes']}); inside "
            f"forward at most {r['peak_forward'] - r['shard_bytes']} bytes gathered beside them (a full copy would be "
-           f"{4 * r['psi']}); each unit freed after its forward and once its gradients are sent, and every unit, "
-           "the root included, after an eval forward under torch.no_grad()")
+           f"{4 * r['psi']}); each unit freed after its forward and once its gradients are sent, and every unit "
+           + (f"after an eval forward under torch.no_grad(), the root included ({r['root']} elements: "
+              f"{', '.join(r['root_params'])})" if r["root"] else
+              "after an eval forward under torch.no_grad() (this model's root unit owns no parameters)"))
 
 
 @renamed_args(kind="model")
@@ -925,6 +1097,10 @@ def _traffic_message(name, world_size, model, measured, without_prefetch):
     prefetched = f"{f_ahead} of {f_units} units in forward"
     prefetched += f", {b_ahead} of {b_units} in backward" if b_units else ", none needed in backward"
     prefetched += " (each phase's first unit cannot be)"
+    overlapped, checked = last["overlapped"]
+    if checked:
+        prefetched += (f"; each of the {checked} waits for a unit's transfer had the next unit's already on its way"
+                       if overlapped == checked else f"; {overlapped} of {checked} waits had the next transfer on its way")
     none_ahead = all(row["ahead"]["forward"][0] == 0 for row in without_prefetch["rows"])
     return (f"{name} communicates {moved / psi:.2f}Ψ per step on {world_size} ranks ({model}, Ψ = {psi}): {gathers}, "
             f"reduce-scatter {scatter} (ZeRO-3 as taught: 3Ψ; data parallel: 2Ψ). Gathered ahead of their turn: "

@@ -12,6 +12,13 @@ r"""Checks for lesson 09 (Muon on ZeRO-1): each matrix owned whole by one rank.
     check_balance(cls, world_size, shapes)       Newton-Schulz work per rank, measured (matrix-multiply flops
                                                  in step()): the slowest rank against the mean
 
+Inside check_numerics every collective step() calls through torch.distributed is first announced to
+every rank on a group of the check's own (_StepCollectives): where the ranks' next calls differ (a
+matrix skipped from this rank's own .grad, no flags exchanged) every rank raises one reason, where gloo
+would abort the process or wait forever; a work started with async_op=True must be waited for before
+step() returns. A momentum of zeros beside its owner's right one is left to check_state (memory, not
+numbers); a momentum shaped like a piece of the matrix is named as Newton-Schulz on a slice.
+
 One bug costs one check. The numbers (numerics) cannot see who keeps the momentum or how much
 each rank works; the state check cannot see the numbers; a layout that gives every rank every
 matrix (all-reduce, everyone orthogonalises everything) has the right numbers, 2Ψ of volume and
@@ -189,6 +196,128 @@ def _straddlers(named, world_size):
 
 
 # ---------------------------------------------------------------------------------------
+# the collectives of step(): the same on every rank, each waited for
+
+
+_COLLECTIVES = ("all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_single",
+                "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "gather", "scatter", "barrier",
+                "all_to_all", "all_to_all_single")
+
+
+def _describe_call(op, args, kwargs, names):
+    """(what every rank must agree on: the op, the shape and dtype of its tensor, its peer rank;
+    what the student reads: "reduce of blocks.0.fc.weight's gradient (88 x 22) to rank 1")."""
+    tensor = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+    peer = kwargs.get("dst", kwargs.get("src"))
+    if peer is None and op in ("reduce", "broadcast") and len(args) > 1 and isinstance(args[1], int):
+        peer = args[1]
+    token = (op, tuple(tensor.shape) if tensor is not None else None, str(getattr(tensor, "dtype", "")), peer)
+    what = ""
+    if tensor is not None:
+        name = names.get(tensor.untyped_storage().data_ptr())
+        what = (f" of {name}" if name else "") + f" ({' x '.join(map(str, tensor.shape)) or 'a scalar'})"
+    if peer is not None:
+        what += f" {'to' if op == 'reduce' else 'from'} rank {peer}"
+    return token, op + what
+
+
+class _StepCollectives:
+    """While step() runs, each collective it calls through torch.distributed is first announced to
+    every rank on a group of the check's own (all_gather_object), and so is the end of step(): the
+    ranks compare what they are about to do, and where they differ every rank raises the same
+    reason instead of a collective that mismatches (gloo aborts the process) or waits forever. Works
+    started with async_op=True are noted, and must be waited for before step() returns."""
+
+    def __init__(self, group, names):
+        self.group, self.names, self.calls, self.unwaited = group, names, [], []
+        self.saved = {}
+
+    def _agree(self, token, what):
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, (token, what), group=self.group)
+        if len({t for t, _ in everyone}) > 1:
+            raise _Mismatch([w for _, w in everyone], len(self.calls))
+        self.calls.append(what)
+
+    def _wrap(self, op, original):
+        def collective(*args, **kwargs):
+            self._agree(*_describe_call(op, args, kwargs, self.names))
+            work = original(*args, **kwargs)
+            if kwargs.get("async_op") and work is not None:
+                return _NotedWork(work, self.unwaited, self.calls[-1])
+            return work
+        return collective
+
+    def __enter__(self):
+        for op in _COLLECTIVES:
+            if hasattr(dist, op):
+                self.saved[op] = getattr(dist, op)
+                setattr(dist, op, self._wrap(op, self.saved[op]))
+        return self
+
+    def __exit__(self, kind, exc, tb):
+        for op, original in self.saved.items():
+            setattr(dist, op, original)
+        if kind is None:
+            self._agree("end", "the end of step()")
+
+
+class _Mismatch(AssertionError):
+    def __init__(self, everyone, index):
+        self.everyone, self.index = everyone, index
+        super().__init__(f"collective {index + 1} of step() differs between the ranks: "
+                         + "; ".join(f"rank {r}: {c}" for r, c in enumerate(everyone)))
+
+
+class _NotedWork:
+    """A collective's work, noted until its wait() is called."""
+
+    def __init__(self, work, unwaited, what):
+        self._work, self._unwaited, self._what = work, unwaited, what
+        unwaited.append(self)
+
+    def wait(self, *args, **kwargs):
+        if self in self._unwaited:
+            self._unwaited.remove(self)
+        return self._work.wait(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+def _step_watched(opt, step, group, names, everyone_has):
+    """opt.step() with its collectives compared across ranks and its asynchronous works accounted for.
+    `names`: {storage pointer: what it is}; `everyone_has`: by rank, the matrices it has a .grad for."""
+    watch = _StepCollectives(group, names)
+    try:
+        with watch:
+            opt.step()
+    except _Mismatch as exc:
+        uneven = sorted({n for h in everyone_has for n in h} - set.intersection(*map(set, everyone_has)))
+        why = ""
+        if uneven:
+            n = uneven[0]
+            lacking = [r for r, h in enumerate(everyone_has) if n not in h]
+            having = [r for r, h in enumerate(everyone_has) if n in h]
+            why = (f" In this step rank{'s' if len(lacking) > 1 else ''} {', '.join(map(str, lacking))} "
+                   f"ha{'ve' if len(lacking) > 1 else 's'} no gradient for {n}, which rank "
+                   f"{', '.join(map(str, having))} ha{'ve' if len(having) > 1 else 's'}"
+                   + (f" (and {len(uneven) - 1} other matrices alike)" if len(uneven) > 1 else "")
+                   + ": a skip decided from this rank's own .grad leaves the others waiting in that matrix's "
+                   "collectives. Every rank takes part in the collectives of each matrix some rank has a gradient "
+                   "for (with zeros where it has none); which ones those are, the ranks learn from one flag per "
+                   "matrix, all-reduced")
+        raise AssertionError(f"step {step + 1}: {exc}.{why or ' Every rank must call the same collectives in the same order'}") from None
+    if watch.unwaited:
+        what = watch.unwaited[0]._what
+        raise AssertionError(
+            f"step {step + 1}: step() returned while {len(watch.unwaited)} of its collectives started with "
+            f"async_op=True had not been waited for (the first: {what}): until work.wait() returns, the result may "
+            "not have arrived (a reduce's sum on the owner, a broadcast's matrix on the other ranks) and reading "
+            "it reads whatever is there. Wait for each work before using its tensor")
+
+
+# ---------------------------------------------------------------------------------------
 # numerics: the weights and the momentum against torch.optim.Muon
 
 
@@ -274,8 +403,12 @@ def _momentum_problem(n, step, mine, want, bitwise, world_size):
                     "for it, but yours is not zero")
         return None
     if tuple(mine.shape) != tuple(want.shape):
+        part = 0 < mine.numel() < want.numel()
         return (f"step {step + 1}: self.state[p]['momentum_buffer'] of {n} has shape {tuple(mine.shape)}; Muon's "
-                f"momentum is one matrix shaped like the parameter, {tuple(want.shape)}")
+                f"momentum is one matrix shaped like the parameter, {tuple(want.shape)}"
+                + (": this rank keeps a momentum for a piece of the matrix, so its update orthogonalises that "
+                   "piece alone, and Newton-Schulz of a slice is not a slice of Newton-Schulz (section 2). One "
+                   "owner per matrix keeps its whole momentum and orthogonalises the whole update" if part else ""))
     if bitwise and torch.equal(mine, want):
         return None
     if not bitwise:
@@ -325,6 +458,7 @@ def _numerics_one(rank, world_size, cls, name, steps, same_data, accumulation, r
     twins = [torch.nn.Parameter(p.detach().clone()) for _, p in named]
     twin = _TorchMuon(twins, **MUON)
     noise = torch.Generator().manual_seed(rank)
+    group = dist.new_group(list(range(world_size)))  # the check's own: step()'s collectives announced on it
     for step in range(steps):
         before = {n: p.detach().clone() for n, p in named}
         _backward(model, name, step, world_size, rank, accumulation, same_data)
@@ -336,7 +470,9 @@ def _numerics_one(rank, world_size, cls, name, steps, same_data, accumulation, r
                 "gradient hook runs Muon once per backward, so once per micro-batch under gradient accumulation. "
                 "Update once per optimizer step, in step(), from the accumulated gradient")
         mean = _mean_gradients(named, world_size)
-        opt.step()
+        names = {p.untyped_storage().data_ptr(): n for n, p in named}
+        names.update({p.grad.untyped_storage().data_ptr(): f"{n}'s gradient" for n, p in named if p.grad is not None})
+        _step_watched(opt, step, group, names, gather_object([n for n, p in named if p.grad is not None]))
         opt.zero_grad()
         if adam is not None:
             adam.step()
@@ -358,19 +494,26 @@ def _numerics_one(rank, world_size, cls, name, steps, same_data, accumulation, r
                     "weight decay, momentum unchanged), but your step changed it: skip a matrix that no rank has a "
                     "gradient for (the ranks agree on it: one flag per matrix, all-reduced), and only such a matrix")
         # the momentum first: it names a cause (a sum for a mean, another average) the weights cannot show
-        held = []
+        held, problems, zeros = [], {}, set()
         for (n, p), s in zip(named, shadows):
             mine = _momentum(opt, p)
             if mine is None:
                 continue
             held.append(n)
             want = oracle.state.get(s, {}).get("momentum_buffer")
-            problem = _momentum_problem(n, step, mine, want, bitwise, world_size)
-            if problem:
+            problems[n] = _momentum_problem(n, step, mine, want, bitwise, world_size)
+            if not problems[n] and bitwise and want is not None and not torch.equal(mine, reference[step]["momentum"][n]):
+                problems[n] = (f"step {step + 1}: the momentum of {n} differs from one process's torch.optim.Muon: "
+                               "not bit for bit")
+            if not bool(mine.any()):
+                zeros.add(n)
+        everyone = gather_object((held, [n for n in held if not problems[n]]))
+        for n, problem in problems.items():
+            # a momentum of zeros beside the owner's right one: created on a rank that does not update it,
+            # which costs memory (check_state's finding), not numbers
+            elsewhere = any(n in right for r, (_, right) in enumerate(everyone) if r != rank)
+            if problem and not (n in zeros and elsewhere):
                 raise AssertionError(problem)
-            if bitwise and want is not None and not torch.equal(mine, reference[step]["momentum"][n]):
-                raise AssertionError(f"step {step + 1}: the momentum of {n} differs from one process's "
-                                     "torch.optim.Muon: not bit for bit")
         wrong = {n: _update_problem(n, step, before[n], p.detach(), s.detach(), bitwise, t.detach())
                  for (n, p), s, t in zip(named, shadows, twins) if mean[n] is not None}
         wrong = {n: why for n, why in wrong.items() if why}
@@ -384,8 +527,7 @@ def _numerics_one(rank, world_size, cls, name, steps, same_data, accumulation, r
             elif len(wrong) > 1:
                 why += f" ({len(wrong) - 1} other matrices differ too)"
             raise AssertionError(f"{what}: {why}")
-        everyone = gather_object(held)
-        nowhere = [n for n, _ in named if n in reference[step]["momentum"] and not any(n in h for h in everyone)]
+        nowhere = [n for n, _ in named if n in reference[step]["momentum"] and not any(n in h for h, _ in everyone)]
         if nowhere:
             raise AssertionError(
                 f"step {step + 1}: no rank keeps the momentum of {', '.join(nowhere[:3])} in "
@@ -436,7 +578,8 @@ def check_numerics(cls, world_size=2, model="transformer", steps=3, same_data=Fa
            f"each rank on its own slice{f' in {accumulation} micro-batches' if accumulation > 1 else ''}: each "
            f"update within {UPDATE_RTOL:.0%} of Muon's from the same weights")
     passed(f"{cls.__name__} beside zerokit.ZeRO1Adam matches torch.optim.Muon + AdamW on {world_size} ranks "
-           f"({', '.join(names)}; {how}): every weight and the momentum each rank keeps, after each of {steps} steps")
+           f"({', '.join(names)}; {how}): every weight, and each matrix's momentum where a rank updates it, after "
+           f"each of {steps} steps; step()'s collectives the same on every rank, any asynchronous one waited for")
 
 
 # ---------------------------------------------------------------------------------------
@@ -468,11 +611,12 @@ def _state_case(rank, world_size, cls, name, steps):
             held_bytes, held = optimizer_held_bytes(model, run_steps)
             assert_changed(model, initial)
             holders = [n for n, p in named if _momentum(built[0], p) is not None]
+            idle = [n for n in holders if not bool(_momentum(built[0], dict(named)[n]).any())]  # created, never updated
             live = {n: p.numel() for n, p in named if p.requires_grad}
             built.clear()
     finally:
         gc.unfreeze()
-    return held_bytes, held[:4], holders, live
+    return held_bytes, held[:4], holders, live, idle
 
 
 def check_state(cls, world_size=2, model="transformer", steps=2, timeout=60.0):
@@ -493,10 +637,14 @@ def check_state(cls, world_size=2, model="transformer", steps=2, timeout=60.0):
         if everywhere:
             counts = {n: sum(n in h for h in holders) for n in everywhere}
             most = max(counts.values())
-            why = (f"The momentum of {', '.join(everywhere[:3])}{' and others' if len(everywhere) > 3 else ''} is kept "
-                   f"on {most} ranks (self.state): every rank keeping every matrix's momentum (and, to keep it right, "
-                   "orthogonalising every matrix itself) is data parallel's memory, 4 B x Ψ per rank. Only a matrix's "
-                   "owner needs its momentum: the other ranks receive the updated matrix")
+            some = f"{', '.join(everywhere[:3])}{' and others' if len(everywhere) > 3 else ''}"
+            idle = all(sum(n in r[4] for r in results) == counts[n] - 1 for n in everywhere)
+            why = (f"The momentum of {some} is kept on {most} ranks (self.state), " + (
+                "on all but one as zeros that never change: created on every rank, updated by the owner only. "
+                "Only a matrix's owner creates and keeps its momentum" if idle else
+                "every rank keeping every matrix's momentum (and, to keep it right, orthogonalising every matrix "
+                "itself): data parallel's memory, 4 B x Ψ per rank. Only a matrix's owner needs its momentum: the "
+                "other ranks receive the updated matrix"))
         else:
             largest = ", ".join(f"{numel} elements ({nbytes} B)" for nbytes, numel in results[0][1])
             why = (f"Rank 0's largest held tensors: {largest}. A buffer needed only inside step() (a gradient, "
@@ -655,11 +803,15 @@ def check_balance(cls, world_size=2, shapes=((32, 32),) + ((2, 512),) * 16, time
         elif max(elements) / (sum(elements) / world_size) < ratio - 0.1:
             hint = (f" Your ranks own {', '.join(map(str, elements))} elements, within "
                     f"{max(elements) / (sum(elements) / world_size):.2f} x of the mean: balanced by element count. A "
-                    "matrix m x n costs Newton-Schulz about m·n·min(m, n) (zerokit.muon.newton_schulz_cost), a "
-                    "square one far more per element than a thin one: balance that cost")
+                    "matrix m x n (m ≤ n) costs Newton-Schulz 2m²n + m³ per iteration (zerokit.muon.newton_schulz_cost), "
+                    "a square one far more per element than a thin one: balance that cost")
         raise CheckFailed(f"rank {slow}'s step() did {ratio:.2f} x the mean Newton-Schulz work of the ranks "
                           f"(flops per rank: {per_rank}; {len(shapes)} matrices of shapes "
                           f"{sorted(set(shapes), key=shapes.index)}); the costliest-first assignment gives "
                           f"{best_ratio:.2f} x, and the step takes as long as its slowest rank.{hint}")
+    costs = results[0][2]
+    floor = max(costs) / (sum(costs) / world_size)  # the costliest matrix alone, against the mean
+    why = (f"; no split into whole matrices does better: the costliest is {max(costs) / sum(costs):.0%} of all "
+           f"the work" if floor > 1.0 and floor >= best_ratio - 1e-9 else "")
     passed(f"Newton-Schulz work per rank on {world_size} ranks ({len(shapes)} matrices): {per_rank} flops; the "
-           f"slowest {ratio:.2f} x the mean (the costliest-first assignment: {best_ratio:.2f} x)")
+           f"slowest {ratio:.2f} x the mean (the costliest-first assignment: {best_ratio:.2f} x{why})")
