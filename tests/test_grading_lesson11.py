@@ -21,7 +21,8 @@ fail the checks listed beside it, with a message that names it, and pass the oth
 | the fp32 shard gathered, quantised after (example) | gather | "went over the wire in fp32" |
 | only the values gathered, this rank's scales for every chunk | gather | "wrong block's scale" |
 | the gather on the default group (a subgroup job) | gather (hidden) | "raised" |
-| a subclass of zerokit's ZeROppAdam; zerokit's quantize_blocks called | every hpZ check; quantize | "subclasses", "zerokit.zeropp's own" |
+| a subclass of zerokit's ZeROppAdam | every hpZ check | "subclasses" |
+| zerokit's own quantize_blocks called | quantize | "zerokit.zeropp's own" |
 | the untouched student notebook | every check | "NotImplementedError" |
 """
 

@@ -134,7 +134,8 @@ def qwz_all_gather(output, shard, block, group=None, async_op=False, quantizer=N
     q, scales = quantize(shard, block)
     q_all = torch.empty(n * q.numel(), dtype=q.dtype, device=q.device)
     scales_all = torch.empty(n * scales.numel(), dtype=scales.dtype, device=scales.device)
-    works = [all_gather(q_all, q, group=group, async_op=True), all_gather(scales_all, scales, group=group, async_op=True)]
+    works = [all_gather(q_all, q, group=group, async_op=True),
+             all_gather(scales_all, scales, group=group, async_op=True)]
     handle = _Dequantizing(works, output, q_all, scales_all, block, n, dequantize)
     return handle if async_op else handle.wait() and None
 
