@@ -357,8 +357,12 @@ def _alive(settled=False):
 
 
 def _memory_run(cls, model_name, units, group, node_size, place, world_size, steps):
-    before = _alive()
+    # Each forward starts from a settled census (no buffer of a finished transfer still held by gloo), so
+    # that what `held` adds is what the forward kept; it cannot wait for gloo itself, as autograd's graph
+    # then holds the activations from C++ too.
+    before = _alive(settled=True)
     model, opt = _build(cls, model_name, units, group, node_size)
+    _alive(settled=True)  # the broadcast of the initial weights let go of
     out = []
     for step in range(steps):
         x, y = _batch(model_name, step, world_size, place)
