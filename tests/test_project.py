@@ -70,6 +70,7 @@ COURSE_MODULES = {"adam", "ddp", "flat", "zero1", "zero2", "zero3", "mixed_preci
                   # the lessons' stages in PyTorch's shapes (issue 24)
                   "elementwise", "data_parallel",
                   "muon",  # lesson 09's reference
+                  "zeropp",  # lesson 11's reference: hpZ (fully_shard.reshard's machinery), qwZ, hybrid sharding
                   "multi_tensor"}  # Adam on many tensors at once, what DistributedAdam and ZeRO run on a GPU
 # a lesson whose reference needs more than one file gets a package of its own (its __init__
 # is the reference, the rest are its parts)

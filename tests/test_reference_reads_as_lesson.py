@@ -1,10 +1,11 @@
 """zerokit's references read as their lesson's exercise plus what is labelled beyond it.
 
-A student opening zerokit/zero2.py beside lesson 04 (or zero3.py beside lesson 05) should
-recognise every line of the methods they wrote. The references mark what the exercise leaves
-out with a comment, "beyond the exercise", and this test holds them to it: strip what is so
-labelled from each exercise method of the reference, and what remains is, statement for
-statement (ast, comments and docstrings aside), the solution notebook's method.
+A student opening zerokit/zero2.py beside lesson 04 (or zero3.py beside lesson 05, or
+fully_shard/reshard.py, hpZ, beside lesson 11) should recognise every line of the methods they
+wrote. The references mark what the exercise leaves out with a comment, "beyond the
+exercise", and this test holds them to it: strip what is so labelled from each exercise method
+of the reference, and what remains is, statement for statement (ast, comments and docstrings
+aside), the solution notebook's method.
 
 The convention the references follow:
 - a statement whose line carries the label is left out, with its block if it opens one;
@@ -26,6 +27,7 @@ import pytest
 
 import zerokit.zero2
 import zerokit.zero3
+from zerokit.fully_shard.reshard import ReshardZeRO3Adam  # (zerokit.fully_shard is the function)
 
 ROOT = Path(__file__).resolve().parent.parent
 LABEL = "beyond the exercise"
@@ -33,6 +35,7 @@ LABEL = "beyond the exercise"
 CASES = [
     ("04_zero2", "MyZeRO2Adam", zerokit.zero2.ZeRO2Adam, ["_on_grad_ready", "_send", "_end_of_backward"]),
     ("05_zero3", "ShardedParameters", zerokit.zero3.ShardedParameters, ["_start_gather", "_finish_gather", "_free"]),
+    ("11_zeropp", "MyHpZAdam", ReshardZeRO3Adam, ["_keep_secondary", "_start_gather", "_free"]),
 ]
 # method: why the reference's body differs from the exercise's beyond a label
 EXCEPTIONS = {

@@ -16,6 +16,8 @@ The course, one module per idea, in lesson order (each a small step from the las
     checkpoint       07  sharded checkpoints: save, load on any N and stage, consolidate
     activations      08  what autograd saves, counted and in closed form; recomputation
     offload          08  the optimizer state in memory-mapped files or pinned host memory
+    muon             09  ZeRO1Muon: each matrix owned whole by one rank
+    zeropp           11  ZeRO++ (hpZ: reshard's machinery; qwZ: int8 blocks on the wire) and hybrid sharding
 
 The instruments every lesson measures with: comm (collectives counted, theoretical
 volumes), memory (theory and census of model-state bytes), models (the model zoo),
@@ -43,6 +45,7 @@ from .elementwise import ZeRO1, ZeRO2
 from .fully_shard import FullyShard, fully_shard
 from .muon import ZeRO1Muon
 from . import checkpoint  # lesson 07: zerokit.checkpoint.save / load / consolidate
+from . import zeropp  # lesson 11: zerokit.zeropp.ZeROppAdam, HybridShardAdam
 
 __version__ = "0.1.0"
 

@@ -22,6 +22,9 @@ it: `build_model(name, seed)`, `model_batch(name, size, seed)`, `model_loss(name
                                                                  shard's gradient is zeros, not None
     awkward      AwkwardUnitsNet                         991     units returning a tuple and a dict; a
                                                                  tied embedding the root unit owns
+    outlier      OutlierMLP (16 -> 64 -> 64 -> 8)        5768    1% of its weights 50x the rest, a target it
+                                                                 can learn: where int8 weights need one
+                                                                 scale per block, not per tensor (lesson 11)
 """
 
 from dataclasses import dataclass, field
@@ -33,7 +36,7 @@ from torch import nn
 from torch.nn import functional as F
 
 __all__ = ["OddMLP", "EdgeCaseNet", "TinyTransformer", "BranchNet", "NestedNet", "SparseEmbedNet",
-           "AwkwardUnitsNet", "make_batch", "loss_for",
+           "AwkwardUnitsNet", "OutlierMLP", "make_batch", "loss_for",
            "num_parameters", "MODELS", "Recipe", "build_model", "model_batch", "model_loss"]
 
 
@@ -52,6 +55,21 @@ class OddMLP(nn.Module):
         for layer in self.layers[:-1]:
             x = torch.tanh(layer(x))
         return self.layers[-1](x)
+
+
+class OutlierMLP(OddMLP):
+    """OddMLP (16 -> 64 -> 64 -> 8) in which a fraction of the weights, at random places, are
+    `scale` times larger than the rest, as a few weights of a trained language model are
+    (Dettmers et al., 2022, LLM.int8()). A quantiser with one scale for a whole tensor rounds the
+    small weights to a handful of levels; one scale per block of 64 spoils only the blocks that
+    hold an outlier (lesson 11, qwZ)."""
+
+    def __init__(self, sizes=(16, 64, 64, 8), fraction=0.01, scale=50.0):
+        super().__init__(sizes)
+        g = torch.Generator().manual_seed(1)  # the same places whatever the caller's seed
+        with torch.no_grad():
+            for layer in self.layers:
+                layer.weight[torch.rand(layer.weight.shape, generator=g) < fraction] *= scale
 
 
 class EdgeCaseNet(nn.Module):
@@ -126,7 +144,8 @@ class Block(nn.Module):
 
 
 def make_batch(kind, batch_size, seed, **kw):
-    """A deterministic (inputs, targets) batch for a model kind: "mlp", "edge" or "transformer"."""
+    """A deterministic (inputs, targets) batch for a model kind: "mlp", "edge", "transformer", "teacher" or
+    "sparse"."""
     g = torch.Generator().manual_seed(seed)
     if kind == "mlp":
         n_in, n_out = kw.get("n_in", 27), kw.get("n_out", 7)
@@ -140,6 +159,11 @@ def make_batch(kind, batch_size, seed, **kw):
         vocab, seq_len = kw.get("vocab", 2003), kw.get("seq_len", 64)
         ids = torch.randint(0, vocab, (batch_size, seq_len + 1), generator=g)
         return ids[:, :-1], ids[:, 1:]
+    if kind == "teacher":  # targets a fixed function of the inputs: a loss the model can bring down
+        n_in, n_out = kw.get("n_in", 16), kw.get("n_out", 8)
+        x = torch.randn(batch_size, n_in, generator=g)
+        w = torch.randn(n_in, n_out, generator=torch.Generator().manual_seed(12345)) / 4
+        return x, torch.tanh(x @ w) + 0.5 * torch.sin(x[:, :n_out])
     if kind == "sparse":  # ids only below `used` of a larger vocabulary: the other rows never get a gradient
         ids = torch.randint(0, kw.get("used", 6), (batch_size, 5), generator=g)
         return ids, torch.randint(0, kw.get("n_out", 5), (batch_size,), generator=g)
@@ -147,7 +171,7 @@ def make_batch(kind, batch_size, seed, **kw):
 
 
 def loss_for(kind, output, target):
-    if kind == "mlp":
+    if kind in ("mlp", "teacher"):
         return F.mse_loss(output, target)
     return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
 
@@ -295,6 +319,7 @@ MODELS = {
                           "transformer", {"vocab": 101, "seq_len": 9}),
     "sparse-embed": Recipe(SparseEmbedNet, "sparse"),
     "awkward": Recipe(AwkwardUnitsNet, "edge", {"vocab": 17}),
+    "outlier": Recipe(OutlierMLP, "teacher", {"n_in": 16, "n_out": 8}),
 }
 
 

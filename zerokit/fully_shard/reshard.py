@@ -28,7 +28,9 @@ shard" over one rank is the whole unit), as in FSDP2.
 `None` is ZeRO3Adam's own behaviour and FSDP2's default. The machinery is ZeRO3Adam's, with
 two hooks changed: what `_post_forward` leaves (free, keep, or keep a secondary shard) and
 where `_start_gather` gathers from (the shards over all N ranks, or the secondary shards over
-the node's k). Lesson 11's hpZ is this class with an int.
+the node's k). Lesson 11's hpZ is this class with an int (`zerokit.zeropp.ZeROppAdam` adds qwZ to
+it), and its exercise, `MyHpZAdam`, writes `_keep_secondary`, `_start_gather` and `_free` as they
+are here, less what is labelled beyond the exercise (tests/test_reference_reads_as_lesson.py).
 """
 
 from functools import partial
@@ -148,9 +150,9 @@ class ReshardZeRO3Adam(ZeRO3Adam):
         shards over all ranks (ShardedParameters._start_gather)."""
         if self._secondary[bi] is None or self._full[bi] is not None or bi in self._gathering:
             return super()._start_gather(bi)
-        for other in list(self._gathering):  # one transfer at a time, as ShardedParameters._start_gather
-            self._finish_gather(other)
-        while self._in_flight:
+        for other in list(self._gathering):  # beyond the exercise (lesson 11): one transfer at a time, as
+            self._finish_gather(other)  # ShardedParameters._start_gather
+        while self._in_flight:  # beyond the exercise (lesson 11)
             self._receive()
         (secondary, node), self._secondary[bi] = self._secondary[bi], None  # the gather holds it until done
         full = self._gather_buffer(bi, secondary)

@@ -63,6 +63,13 @@ the student's code, under the same names, plus what only its lesson has:
     10 capstone           check_losses             the training loop's first losses vs one process (SGD and AdamW)
                           check_data               each rank runs its slice of the global batch, in micro-batches
                           check_resume             killed after step k, resumed on another N: the same losses
+    11 ZeRO++             check_hpz_numerics       exercise 1 (hpZ): bit for bit ZeRO3Adam, AdamW within rounding,
+                                                   each secondary shard this rank's 1/k of its unit
+                          check_hpz_traffic        ... backward's all-gathers: 0 bytes across nodes
+                          check_hpz_memory         ... Ψ/N + Ψ/k held between forward and backward, then ZeRO-3's
+                          check_quantize           exercise 2: int8 in blocks, max|x|/127 per block, half a step
+                          check_qwz_gather         exercise 3: Ψ + 4Ψ/B bytes, each rank's chunk with its scales
+                          check_qwz_training       ... 50 steps of ZeRO++ with your quantiser within 4% of exact
 
 (The names the notebooks called before, e.g. check_zero1_numerics, check_matches_adamw, and
 the `kind=` argument for `model=`, still work for a term: each module aliases them.)
