@@ -56,6 +56,8 @@ def test_the_rehearsal_runs_every_row_on_the_cpu(tmp_path):
     assert {"launch backend=auto", "checkpoint zero2", "checkpoint zero3", "lesson 00 checks on cpu",
             "lesson 02 checks on cpu"} <= set(paths)
     assert not any(p.startswith("lesson 03") for p in paths)  # --lessons 02: that lesson's graded checks only
+    # the flat buffers at 1, 16 and 128 bytes, timed in turns; 16 and 128 the same weights bit for bit (ok)
+    assert {f"alignment {name} (cpu)" for name in ("ZeRO1Adam", "ZeRO1(AdamW)", "DataParallel")} <= set(paths)
     # python -m zerokit.train at every stage (bf16 beside its peer and fp32, fp32 beside --impl torch), and by torchrun
     assert {f"train stage {s} (cpu, gloo)" for s in range(4)} | {"train under torchrun, stage 0 bf16"} <= set(paths)
     assert sum(p.startswith("offload=disk") for p in paths) == len(gpu_check.OFFLOAD_RUNS)

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 import zerokit
+from zerokit.bench import alignment as align
 from zerokit.bench import lesson_grades
 from zerokit.bench import odd_shapes as odd
 from zerokit.bench.stages import STAGES, make_optimizer
@@ -533,6 +534,21 @@ def odd_shapes(target):
     return rows
 
 
+def alignment(target):
+    """zerokit's flat buffers aligned to 1 (plain), 16 (zerokit's) and 128 bytes (Megatron's): each class's step
+    time in turns on one rank, and 16 against 128 bit for bit (bench/alignment.py)."""
+    result = _launch(align.compare, 1, target.gpu, 12 if target.gpu else 3)[0]
+    rows = []
+    for name, r in result["classes"].items():
+        ms = r["ms"]
+        rows.append(Row(f"alignment {name} ({result['device']})",
+                        f"median step at 1, 16, 128-byte alignment, in turns (Psi = {result['psi']:,}); "
+                        f"16 vs 128: weights bitwise", r["diff_16_128"] == 0,
+                        f"{ms[1]:.2f} / {ms[16]:.2f} / {ms[128]:.2f} ms (16 B: {ms[16] / ms[1]:.2f}x, "
+                        f"128 B: {ms[128] / ms[1]:.2f}x of plain); 16 vs 128 max |d| {r['diff_16_128']:.1e}"))
+    return rows
+
+
 # ---------------------------------------------------------------------------------------
 # the capstone's script, python -m zerokit.train, on the device
 
@@ -639,6 +655,7 @@ COVERS = {
               "zerokit/train/options.py:parse_args", "zerokit/train/job.py:main",
               "zerokit/bench/train_peers.py:measure", "zerokit/bench/train_peers.py:_sync",
               "zerokit/bench/train_peers.py:main", "zerokit/bench/train_peers.py:table"],
+    "alignment": ["zerokit/bench/alignment.py:_sync"],  # 16 or 128 bytes, timed on the device
     "bench": ["zerokit/bench/accounting.py:allocated_bytes", "zerokit/bench/accounting.py:Instrument.__enter__",
               "zerokit/bench/accounting.py:Instrument.__exit__", "zerokit/bench/runs.py:run_stage",
               "zerokit/bench/systems.py:_torch_peer", "zerokit/bench/timing.py:sync"],
@@ -647,7 +664,7 @@ COVERS = {
 GROUPS = [("environment", environment), ("launch_auto", launch_auto), ("single_rank", single_rank),
           ("shared_gpu", shared_gpu), ("memory", memory), ("offload", offload), ("checkpoint", checkpoint),
           ("bench", bench), ("lesson_checks", lesson_checks), ("lesson_grades", lesson_grades_on_device),
-          ("odd_shapes", odd_shapes), ("train", train_script)]
+          ("odd_shapes", odd_shapes), ("alignment", alignment), ("train", train_script)]
 
 
 # ---------------------------------------------------------------------------------------
