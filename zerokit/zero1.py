@@ -370,6 +370,11 @@ class ZeRO1Adam(torch.optim.Optimizer):
         present, self._present = self._present, None
         return present if present is not None else self._any_rank(has_grad, read_if_all_true=False)
 
+    def _flag_group(self):
+        """The ranks whose gradients decide whether a parameter got one: this optimizer's (lesson 11's
+        hybrid sharding shards over a node and asks every node)."""
+        return self.group
+
     def _any_rank(self, flag_lists, read_if_all_true=True):
         """Lists of flags, each True where it is True on some rank: one all-reduce (MAX) for them all.
 
@@ -377,7 +382,7 @@ class ZeRO1Adam(torch.optim.Optimizer):
         without reading the all-reduced flags back (on a GPU a read waits for everything queued)."""
         local = [f for fs in flag_lists for f in fs]
         flags = device_flags(local, torch.uint8, self.buckets[0].params[0].device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._flag_group())
         # every rank takes part in the all-reduce, whether or not it reads the result
         every = local if all(local) and not read_if_all_true else flags.bool().tolist()
         out, i = [], 0

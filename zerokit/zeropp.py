@@ -50,9 +50,8 @@ import torch
 import torch.distributed as dist
 
 from .collectives import all_gather  # torch's, but direct on gloo
-from .comm import group_ranks
 from .ddp import broadcast_parameters
-from .fully_shard.reshard import ReshardZeRO3Adam, node_group
+from .fully_shard.reshard import ReshardZeRO3Adam, node_group, node_ranks
 from .zero3 import ZeRO3Adam
 
 __all__ = ["quantize_blocks", "dequantize_blocks", "qwz_all_gather", "ZeROppAdam", "HybridShardAdam",
@@ -189,12 +188,7 @@ _REPLICA_GROUPS = {}  # (default group, ranks of the group, k) -> this rank's re
 def replica_group(k, group=None):
     """The ranks that hold the same shard as this one under hybrid sharding: one per node of k
     consecutive ranks of `group`, each at this rank's place in its node. Made once per (group, k)."""
-    ranks = group_ranks(group)
-    if ranks is None:
-        raise ValueError("replica_group: the group is not one this process made with dist.new_group")
-    n = len(ranks)
-    if not isinstance(k, int) or isinstance(k, bool) or k < 1 or n % k:
-        raise ValueError(f"a node size must be an int that divides the group's {n} ranks, not {k!r}")
+    ranks = node_ranks(k, group, "replica_group")
     key = (dist.group.WORLD, ranks, k)
     if key not in _REPLICA_GROUPS:
         j = ranks.index(dist.get_rank()) % k
@@ -230,13 +224,6 @@ class HybridShardAdam(ZeRO3Adam):
             out.div_(self.n_replicas)
         super()._receive()
 
-    def _any_rank(self, flag_lists):
-        """Which parameters got a gradient on some rank of any node (one all-reduce over all ranks)."""
-        flags = torch.tensor([f for fs in flag_lists for f in fs], dtype=torch.uint8,
-                             device=self.buckets[0].params[0].device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.outer)
-        every, out, i = flags.bool().tolist(), [], 0
-        for fs in flag_lists:
-            out.append(every[i:i + len(fs)])
-            i += len(fs)
-        return out
+    def _flag_group(self):
+        """Which parameters got a gradient is decided over every rank of every node, not one node."""
+        return self.outer

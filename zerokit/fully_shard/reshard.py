@@ -51,16 +51,22 @@ __all__ = ["ReshardZeRO3Adam", "node_group", "unit_policies"]
 _NODE_GROUPS = {}  # (default group, ranks of the group, k) -> this rank's node group
 
 
+def node_ranks(k, group=None, who="node_group"):
+    """The global ranks of `group` (None: the default group), checked to cut into nodes of k
+    consecutive ranks: the layout node_group and lesson 11's replica groups share."""
+    ranks = group_ranks(group)
+    if ranks is None:
+        raise ValueError(f"{who}: the group is not one this process made with dist.new_group")
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1 or len(ranks) % k:
+        raise ValueError(f"a node size must be an int that divides the group's {len(ranks)} ranks, not {k!r}")
+    return ranks
+
+
 def node_group(k, group=None):
     """This rank's "node": the process group of the k consecutive ranks of `group` (None: the
     default group) that contain it. Made once per (group, k) and kept, as FSDP2 keeps its mesh;
     only the ranks of a node take part in making its group."""
-    ranks = group_ranks(group)
-    if ranks is None:
-        raise ValueError("node_group: the group is not one this process made with dist.new_group")
-    n = len(ranks)
-    if not isinstance(k, int) or isinstance(k, bool) or k < 1 or n % k:
-        raise ValueError(f"a node size must be an int that divides the group's {n} ranks, not {k!r}")
+    ranks = node_ranks(k, group)
     key = (dist.group.WORLD, ranks, k)  # the default group's object: a new one after re-initialising
     if key not in _NODE_GROUPS:
         i = ranks.index(dist.get_rank()) // k
