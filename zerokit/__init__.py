@@ -9,9 +9,9 @@ The course, one module per idea, in lesson order (each a small step from the las
     elementwise      03  ZeRO1/ZeRO2 with any elementwise torch optimizer (why they shard for free)
     zero2            04  ZeRO-2: gradients reduce-scattered in buckets during backward
     zero3            05  ZeRO-3: ShardedParameters (gather, free) under ZeRO3Adam (the hooks)
-    fully_shard      05  FullyShard (a wrapper) and fully_shard (in place): ZeRO-3 in FSDP2's shape, any
-                         optimizer; underneath, sharding (ZeRO-3 without its Adam, FSDP2's controls),
-                         reshard (reshard_after_forward: True, False, k = hpZ) and clip (the global norm)
+    fully_shard      12  FSDP2's design: fully_shard, FSDPModule (every control) and FullyShard (the calls
+                         in one), each parameter a dim-0 DTensor shard; beside them reshard.py, ZeRO3Adam's
+                         reshard_after_forward (True, False, k = hpZ), lesson 11's base
     mixed_precision  06  16-bit compute, fp32 masters, the loss scaler, for every stage
     checkpoint       07  sharded checkpoints: save, load on any N and stage, consolidate
     activations      08  what autograd saves, counted and in closed form; recomputation
@@ -42,7 +42,7 @@ from .zero1 import ZeRO1Adam
 from .zero2 import ZeRO2Adam
 from .zero3 import ZeRO3Adam
 from .elementwise import ZeRO1, ZeRO2
-from .fully_shard import FullyShard, fully_shard
+from .fully_shard import FSDPModule, FullyShard, fully_shard, register_fsdp_forward_method
 from .muon import ZeRO1Muon
 from . import checkpoint  # lesson 07: zerokit.checkpoint.save / load / consolidate
 from . import zeropp  # lesson 11: zerokit.zeropp.ZeROppAdam, HybridShardAdam
@@ -51,7 +51,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Adam", "adamw_update_", "DistributedAdam", "ZeRO1Adam", "ZeRO2Adam", "ZeRO3Adam",
-    "DataParallel", "FullyShard", "fully_shard",
+    "DataParallel", "FullyShard", "fully_shard", "FSDPModule", "register_fsdp_forward_method",
     "launch", "rank_device", "LaunchError", "LaunchTimeout",
     "CommCounter", "theory_volume", "MemoryProbe", "census", "theory_bytes", "MixedPrecision",
     "SavedActivations", "checkpoint_modules", "Offload", "ZeRO1", "ZeRO2", "ZeRO1Muon",
