@@ -262,6 +262,13 @@ class FSDPModule:
             for group in state.groups:
                 group.reshard_after_backward = reshard_after_backward
 
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params, *, recurse=True):
+        """True: a trainable parameter that got no gradient on this rank sends zeros, so that ranks whose forwards
+        used different parameters still reduce-scatter the same sizes (DDP's find_unused_parameters)."""
+        for state in _states(self, recurse):
+            for group in state.groups:
+                group.reduce_scatter_unused_params = reduce_scatter_unused_params
+
     def set_unshard_in_backward(self, unshard_in_backward):
         """False: backward needs none of this module's parameters (an embedding's), so it gathers none."""
         for group in self._state().groups:

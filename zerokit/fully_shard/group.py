@@ -92,6 +92,7 @@ class ParamGroup:
         self.reduce_grads = self.all_reduce_grads = True
         self.reshard_after_backward = self.unshard_in_backward = True
         self.unshard_async_op = False
+        self.reduce_scatter_unused_params = False
         self.all_reduce_hook = None
         self.orig_dtype = self.reduce_dtype = None
         self._initialised = False
@@ -101,6 +102,10 @@ class ParamGroup:
         if self._initialised:
             return
         self._initialised = True
+        meta = [p.name for p in self.params if p.padded.is_meta]
+        if meta:
+            raise RuntimeError(f"{', '.join(meta)} are still on the meta device: give them storage before the first "
+                               "forward (module.to_empty(device=...), then initialise them, e.g. reset_parameters())")
         for p in self.params:
             p.reset_sharded_param()
             p.set_dtypes(self.mp_policy)
@@ -242,7 +247,8 @@ class ParamGroup:
             for p in self.params:
                 p.keep_grad_in_reduce_dtype()
             return
-        with_grad = [(p, g) for p in self.params if (g := p.take_unsharded_grad()) is not None]
+        with_grad = [(p, g) for p in self.params
+                     if (g := p.take_unsharded_grad(self.reduce_scatter_unused_params)) is not None]
         if self.reshard_after_backward:
             self.reshard()
         if with_grad:

@@ -83,9 +83,12 @@ class ShardedParam:
         self.sharded_size = torch.Size([length, *param.shape[1:]])
         self.placements = (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))
         home = torch.device("cpu") if offload else device  # offload: shard, gradient, optimizer state on the host
+        if param.is_meta:  # built on the meta device: storage comes with module.to_empty() (reset_sharded_param)
+            home = torch.device("meta")
         with torch.no_grad():
             padded = torch.zeros(self.padded_size, dtype=param.dtype, device=home)
-            padded[:length].copy_(param.detach()[start:start + length])
+            if not param.is_meta:
+                padded[:length].copy_(param.detach()[start:start + length])
         self.padded = padded.view(-1)
         self.sharded_param = nn.Parameter(self._dtensor(padded[:length]), requires_grad=param.requires_grad)
         self.post_forward = post_forward
@@ -191,13 +194,17 @@ class ShardedParam:
 
     # ---- the gradient ------------------------------------------------------------------------------------
 
-    def take_unsharded_grad(self):
-        """The full local gradient this backward left (with any accumulated one), handed over and cleared."""
+    def take_unsharded_grad(self, zeros_if_none=False):
+        """The full local gradient this backward left (with any accumulated one), handed over and cleared;
+        zeros_if_none: zeros for a trainable parameter that got none (so that every rank sends the same sizes)."""
         if self.accumulated_grad is not None:
             grad, self.accumulated_grad = self.accumulated_grad, None
             return grad
-        if self.unsharded_param is None or self.unsharded_param.grad is None:
+        if self.unsharded_param is None:
             return None
+        if self.unsharded_param.grad is None:
+            return torch.zeros_like(self.unsharded_param) if zeros_if_none and self.unsharded_param.requires_grad \
+                else None
         grad, self.unsharded_param.grad = self.unsharded_param.grad, None
         return grad
 
@@ -238,11 +245,16 @@ class ShardedParam:
             return
         self.sharded_param = param
         local = param.to_local()
-        if local.data_ptr() == self.padded.data_ptr() and local.dtype == self.padded.dtype:
+        if local.is_meta:
             return
+        storage = self.padded.untyped_storage()
+        if not self.padded.is_meta and local.dtype == self.padded.dtype and \
+                local.untyped_storage().data_ptr() == storage.data_ptr() != 0:
+            return  # still a view of this record's storage (a rank with no rows of it included)
         with torch.no_grad():
             padded = local.new_zeros(self.padded_size)
             padded[:local.size(0)].copy_(local)
+        if (padded.dtype, padded.device) != (self.padded.dtype, self.padded.device):
+            self.gathered = self.unsharded_param = None  # made again, in the new dtype or on the new device
         self.padded = padded.view(-1)
         param._local_tensor = padded[:local.size(0)]  # the DTensor views the new storage, as FSDP2's does
-        self.gathered = self.unsharded_param = None  # the compute dtype may have changed: made again
