@@ -28,6 +28,7 @@ The step, for one group:
 
 import contextlib
 from enum import Enum, auto
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -69,6 +70,21 @@ class _PostBackward(torch.autograd.Function):
     def backward(ctx, *grads):
         ctx.group.post_backward()
         return (None, *grads)
+
+
+MAX_REDUCING = 2  # reduce-scatters in flight at once (each holds its N * S input): the rest of backward overlaps them
+
+
+class Reducing(NamedTuple):
+    """A reduce-scatter in flight: whose gradients, its input (alive until it lands) and output, the work to
+    wait on, the op (HSDP's all-reduce uses it too) and the division left for after."""
+    group: object
+    params: list
+    input: torch.Tensor
+    output: torch.Tensor
+    work: object
+    op: object
+    after: float
 
 
 class ParamGroup:
@@ -233,9 +249,10 @@ class ParamGroup:
 
     @staticmethod
     def prefetch(target, phase):
-        """Start `target`'s all-gather now, as if in `phase` (so that it honours that phase's rules)."""
+        """Start `target`'s all-gather now, as if in `phase` (so that it honours that phase's rules), without
+        waiting: the current group's compute overlaps it (FSDP2 runs it on a stream of its own)."""
         with target.in_phase(phase):
-            target.unshard(target.unshard_async_op)
+            target.unshard(async_op=True)
 
     def post_backward(self):
         self.phase = Phase.POST_BACKWARD
@@ -255,8 +272,8 @@ class ParamGroup:
             self._reduce([p for p, _ in with_grad], [g for _, g in with_grad])
 
     def _reduce(self, params, grads):
-        """Reduce-scatter the full local gradients (all-reduce across replicas on a 2-D mesh) into every
-        sharded parameter's .grad: the mean over every data-parallel rank, this rank's rows."""
+        """Start the reduce-scatter of the full local gradients (chunk-cat, then the collective, asynchronous:
+        backward goes on computing the groups before this one while it runs); `finish_reduce` lands it."""
         if len({g.dtype for g in grads}) != 1:
             raise RuntimeError(f"fully_shard reduces one dtype per group; {self.name} made gradients of "
                                f"{sorted({str(g.dtype) for g in grads})}")
@@ -269,10 +286,24 @@ class ParamGroup:
         if before not in (None, 1):
             flat.div_(before)
         output = torch.empty(flat.numel() // world, dtype=dtype, device=self.device)
+        work = None
         if world > 1:
-            self.reduce_scatter(output, flat, self.shard_group, op)
+            work = self.reduce_scatter(output, flat, self.shard_group, op, async_op=True)
         else:
             output.copy_(flat)
+        self.shared.reducing.append(Reducing(self, params, flat, output, work, op, after))
+        while len(self.shared.reducing) > MAX_REDUCING:  # bound the memory in flight: land the oldest
+            self.shared.reducing[0].group.finish_reduce()
+
+    def finish_reduce(self):
+        """Land this group's oldest reduce-scatter in flight: wait for it, all-reduce across replicas (HSDP),
+        divide, cast to the parameters' dtype, and give each sharded parameter its rows as its .grad."""
+        shared = self.shared
+        mine = next(r for r in shared.reducing if r.group is self)
+        shared.reducing.remove(mine)
+        _, params, _, output, work, op, after = mine
+        if work is not None:
+            work.wait()
         if self.replicate_group is not None:
             if not self.all_reduce_grads:  # HSDP accumulation: reduce-scattered, the replicas kept apart for now
                 self.partial_reduce = output if self.partial_reduce is None else self.partial_reduce.add_(output)
@@ -293,7 +324,8 @@ class ParamGroup:
             offset += p.padded.numel()
 
     def finalize_backward(self):
-        """The last backward of a step is over: drop any gather prefetched but never used, forget the order."""
+        """The last backward of a step is over: drop any gather prefetched but never used, forget the order
+        (the reductions in flight are landed by the backward's end, ModuleState._after_backward)."""
         if self.gathering is not None:
             if self.gathering.work is not None:
                 self.gathering.work.wait()
@@ -301,6 +333,9 @@ class ParamGroup:
         self.post_forward_indices.clear()
 
     def reset_iter_state(self):
+        if self.shared is not None:
+            for r in [r for r in self.shared.reducing if r.group is self]:
+                self.shared.reducing.remove(r)  # a failed step's gradients are dropped, as FSDP2 drops them
         self.finalize_backward()
         self.partial_reduce = None
         self.phase = Phase.IDLE

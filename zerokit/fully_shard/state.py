@@ -82,6 +82,7 @@ class Shared:
         self.post_forward_order = []  # groups in the order their forwards ended (backward prefetches by it)
         self.callback_queued = False
         self.is_last_backward = True
+        self.reducing = []  # reduce-scatters in flight (group.Reducing), oldest first
 
 
 class ModuleState:
@@ -260,6 +261,9 @@ class ModuleState:
                     group.post_backward()  # a group none of whose inputs needed a gradient
                 group.phase = Phase.IDLE
             state.phase = Phase.IDLE
+        while shared.reducing:  # every gradient lands before the optimizer can read it
+            shared.reducing[0].group.finish_reduce()
+        for state in shared.states:
             if shared.is_last_backward:
                 for group in state.groups:
                     group.finalize_backward()
