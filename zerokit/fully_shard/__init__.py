@@ -14,8 +14,8 @@ of, one idea per file, composed as FSDP2 composes them:
 
 | file | FSDP2's | what it holds |
 |---|---|---|
-| `param.py` | FSDPParam | one parameter: its dim-0 shard (`dim0_chunk`), padded storage, DTensor, gathered buffer, unsharded view |
-| `collectives.py` | _fsdp_collectives | the all-gather's copy-in and copy-out, the reduce-scatter's chunk-cat, swappable collectives |
+| `param.py` | FSDPParam | one parameter: its dim-0 shard (`dim0_chunk`), storage, DTensor, unsharded view |
+| `collectives.py` | _fsdp_collectives | the all-gather's copy-in and copy-out, the reduce-scatter's chunk-cat |
 | `group.py` | FSDPParamGroup | one call's parameters: the sharded state (a named enum), gather, reshard, reduce |
 | `state.py` | FSDPState | one call's hooks, the root's lazy initialisation, prefetch, inputs and outputs as trees |
 | `api.py` | fully_shard, FSDPModule | the calls and the per-module controls |

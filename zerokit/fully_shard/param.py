@@ -68,6 +68,10 @@ class ShardedParam:
     """
 
     def __init__(self, param, places, mesh, shard_rank, shard_size, post_forward, device, offload):
+        if isinstance(param, DTensor):
+            raise NotImplementedError(f"{self._name(places)} is a DTensor already (tensor parallelism?): "
+                                      "zerokit.fully_shard shards plain parameters on a 1-D or 2-D data-parallel "
+                                      "mesh; FSDP2 composes with tensor parallelism, zerokit's does not")
         if param.dim() == 0:
             raise ValueError(f"fully_shard shards along dim 0, and {self._name(places)} is a scalar: make it a "
                              "1-D tensor of one element")
