@@ -146,6 +146,9 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
     mesh = mesh if mesh is not None else _default_mesh()
     if mesh.ndim not in (1, 2):
         raise ValueError(f"fully_shard takes a 1-D mesh (shard) or a 2-D one (replicate, shard), not {mesh.ndim}-D")
+    if mesh.ndim == 2 and mesh.mesh_dim_names is None:
+        raise ValueError("a 2-D mesh for hybrid sharding needs mesh_dim_names (replicate, shard): "
+                         "init_device_mesh(device, (R, S), mesh_dim_names=('replicate', 'shard'))")
     device = _device(mesh)
     post_forward = _post_forward_mesh(True if reshard_after_forward is None else reshard_after_forward, mesh)
     ignored = {id(p) for p in ignored_params or ()}
@@ -156,7 +159,7 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
                 seen.add(id(p))
                 params.append(p)
         for name, b in m._buffers.items():
-            if b is not None and b.device != device:
+            if b is not None and b.device != device and not b.is_meta:
                 m._buffers[name] = b.to(device)
     group = None
     if params:

@@ -112,18 +112,19 @@ class ParamGroup:
         self.all_reduce_hook = None
         self.orig_dtype = self.reduce_dtype = None
         self._initialised = False
+        self._hook_state_dicts()
 
     def lazy_init(self):
         """Before the first forward: every fully_shard call is made, the dtypes are settled."""
         if self._initialised:
             return
-        self._initialised = True
+        self._reset_params()  # the module may hold new parameters by now (assign=True loads, to_empty)
         meta = [p.name for p in self.params if p.padded.is_meta]
         if meta:
             raise RuntimeError(f"{', '.join(meta)} are still on the meta device: give them storage before the first "
                                "forward (module.to_empty(device=...), then initialise them, e.g. reset_parameters())")
+        self._initialised = True
         for p in self.params:
-            p.reset_sharded_param()
             p.set_dtypes(self.mp_policy)
         trainable = [p for p in self.params if p.sharded_param.requires_grad]
         for what in ("orig_dtype", "reduce_dtype"):
@@ -133,6 +134,9 @@ class ParamGroup:
                                  f"parameters need one {what.replace('_', ' ')}; {self.name or 'this group'} has "
                                  f"{sorted(map(str, found))}: shard them in separate fully_shard calls")
             setattr(self, what, found.pop() if found else None)
+
+    def _hook_state_dicts(self):
+        """state_dict() and load_state_dict() see the sharded DTensors; a load may bring new ones (assign=True)."""
         for module in {id(m): m for p in self.params for m, _ in p.places}.values():
             module.register_state_dict_pre_hook(lambda *_: self._to_sharded())
             module.register_load_state_dict_pre_hook(lambda *_: self._to_sharded())
@@ -255,6 +259,9 @@ class ParamGroup:
             target.unshard(async_op=True)
 
     def post_backward(self):
+        # a list of modules, one of which was called on its own after the model's forward (a loss head over
+        # chunks): its pre-backward never ran, nor will the backward's end, so its gradients land here
+        standalone = len(self.modules) > 1 and self.phase is Phase.FORWARD
         self.phase = Phase.POST_BACKWARD
         for p in self.params:
             p.accumulate_unsharded_grad()
@@ -270,6 +277,8 @@ class ParamGroup:
             self.reshard()
         if with_grad:
             self._reduce([p for p, _ in with_grad], [g for _, g in with_grad])
+            if standalone:
+                self.finish_reduce()
 
     def _reduce(self, params, grads):
         """Start the reduce-scatter of the full local gradients (chunk-cat, then the collective, asynchronous:

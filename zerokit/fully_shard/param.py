@@ -25,11 +25,13 @@ DTensor of this rank's 1/k of the gathered buffer (`post_forward`), from which b
 all-gather inside the node rebuilds it.
 """
 
+import itertools
 import math
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = ["dim0_chunk", "ShardedParam"]
 
@@ -40,6 +42,16 @@ def dim0_chunk(rows, world_size, rank):
     padded = math.ceil(rows / world_size)
     start = min(rank * padded, rows)
     return start, min(padded, rows - start), padded
+
+
+_UIDS = WeakIdKeyDictionary()  # an original parameter -> its number (id() is reused once one is collected)
+_NEXT_UID = itertools.count()
+
+
+def _uid(param):
+    if param not in _UIDS:
+        _UIDS[param] = next(_NEXT_UID)
+    return _UIDS[param]
 
 
 def _contiguous_stride(size):
@@ -76,10 +88,10 @@ class ShardedParam:
             raise ValueError(f"fully_shard shards along dim 0, and {self._name(places)} is a scalar: make it a "
                              "1-D tensor of one element")
         if not param.is_contiguous():
-            raise ValueError(f"fully_shard needs contiguous parameters; {self._name(places)} has strides "
-                             f"{param.stride()}")
+            raise NotImplementedError(f"fully_shard needs contiguous parameters; {self._name(places)} has strides "
+                                      f"{param.stride()} (channels-last?)")
         self.places, self.mesh, self.offload = places, mesh, offload
-        self.orig_id = id(param)  # two calls that find the same parameter (tied across them) are refused
+        self.orig_id = _uid(param)  # two calls that find the same parameter (tied across them) are refused
         self.orig_size, self.orig_stride = param.size(), _contiguous_stride(param.size())
         self.world_size = shard_size
         start, length, padded_rows = dim0_chunk(param.size(0), shard_size, shard_rank)
