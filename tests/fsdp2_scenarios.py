@@ -116,15 +116,15 @@ class Checks:
         return self._record(True, msg)
 
     def raises(self, exc_type, fn, msg, match=None):
-        """fn() raises exc_type (with `match` in its message, when given)."""
+        """fn() raises exc_type (a class or a tuple of them; with `match` in its message, when given)."""
+        want = "/".join(t.__name__ for t in (exc_type if isinstance(exc_type, tuple) else (exc_type,)))
         try:
             fn()
         except exc_type as exc:
-            return self._record(match is None or match in str(exc),
-                                f"{msg}: {exc_type.__name__} without {match!r}: {exc}")
+            return self._record(match is None or match in str(exc), f"{msg}: {want} without {match!r}: {exc}")
         except Exception as exc:  # another error is this check's failure, with its text
-            return self._record(False, f"{msg}: raised {type(exc).__name__}: {exc} instead of {exc_type.__name__}")
-        return self._record(False, f"{msg}: raised nothing (expected {exc_type.__name__})")
+            return self._record(False, f"{msg}: raised {type(exc).__name__}: {exc} instead of {want}")
+        return self._record(False, f"{msg}: raised nothing (expected {want})")
 
 
 def _tensor_apart(a, b):
