@@ -19,14 +19,12 @@ chunk_cat kernels), set_reduce_scatter_divide_factor / max_input_buffers (not in
 Scenarios (name | N | source test | what it asserts), the table appended from the registry below:
 """
 
-import functools
 import itertools
 
 import pytest
 import torch
 from torch import nn
 
-from conftest import run_ranks
 from fsdp2_scenarios import CommSpy, DoubleLinear, Outcomes, Scenarios, Transformer, comm_counts, comm_names, tokens
 
 SC = Scenarios()
@@ -144,7 +142,7 @@ def backward_prefetch(s, reshard_after_forward):
     optim = torch.optim.Adam(model.parameters(), lr=1e-2)
     inp = tokens(model, 2, seed=s.rank)
     with CommSpy(comm_names(s, model, names)) as spy:
-        for it in range(3):
+        for it in range(2):
             spy.events.clear()
             loss = model(inp)
             expected = [("AG", ""), ("AG", "layers.0"), ("AG", "layers.1"), ("AG", "layers.2")]
@@ -307,7 +305,7 @@ def reshard_after_forward_int_groups(s):
 
 __doc__ += "\n" + SC.table() + "\n"
 
-OUT = Outcomes(SC, run_ranks, timeout=240)
+OUT = Outcomes(SC, timeout=240)
 
 
 @pytest.mark.distributed

@@ -19,6 +19,7 @@ Activation checkpointing in the frozen test uses torch.distributed._composable.c
 Scenarios (name | N | source test | what it asserts), the table appended from the registry below:
 """
 
+import copy
 import collections
 import functools
 import itertools
@@ -29,8 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from conftest import run_ranks
-from fsdp2_scenarios import (MLP, CommSpy, DoubleLinear, Outcomes, Scenarios, Transformer, copy, ddp, is_dtensor,
+from fsdp2_scenarios import (ITERATIONS, MLP, CommSpy, DoubleLinear, Outcomes, Scenarios, Transformer, ddp, is_dtensor,
                              shard_blocks, sharded_parity, tokens)
 
 SC = Scenarios()
@@ -78,7 +78,7 @@ def frozen_per_group(s, reshard_after_forward, freeze_after_init):
                 p.requires_grad_(False)
     expected_numel = sum(p.to_local().numel() for n, p in model[0].named_parameters() if "bias" in n)
     torch.manual_seed(42 + s.rank + 1)
-    for it in range(5):
+    for it in range(ITERATIONS):
         inp = torch.randn((8, lin_dim))
         ref_optim.zero_grad(set_to_none=it % 2 == 0)
         ref_loss = ref(inp).sum()
@@ -193,7 +193,7 @@ def multi_forward_mixed(s, reshard_after_forward):
             s.fully_shard(module, reshard_after_forward=reshard_after_forward)
     s.fully_shard(model, reshard_after_forward=reshard_after_forward)
     optim = _adam(model)
-    for it in range(5):
+    for it in range(ITERATIONS):
         inp = torch.randn((8, 5))
         losses = []
         for m, o in ((ref, ref_optim), (model, optim)):
@@ -233,7 +233,7 @@ def clip_grad_norm(s, norm_type, hsdp=False):
     optim = _adam(model)
     torch.manual_seed(42 + s.rank + 1)
     inp = tokens(model, 3)
-    for it in range(3):
+    for it in range(2):
         ref_optim.zero_grad()
         ref(inp).sum().backward()
         optim.zero_grad()
@@ -302,7 +302,7 @@ def unused_forward_output(s, reshard_after_forward):
     s.fully_shard(model, reshard_after_forward=reshard_after_forward)
     ref_optim, optim = _adam(ref), _adam(model)
     torch.manual_seed(1)  # the same on all ranks
-    for it in range(5):
+    for it in range(ITERATIONS):
         global_inp = torch.rand((global_batch_size, dim))
         local_inp = global_inp[s.rank * local_batch_size:(s.rank + 1) * local_batch_size].detach()
         out1, out2 = model(local_inp)
@@ -338,7 +338,7 @@ def unused_forward_module(s, reshard_after_forward):
     s.fully_shard(model, reshard_after_forward=reshard_after_forward)
     ref_optim, optim = _adam(ref), _adam(model)
     torch.manual_seed(1)
-    for it in range(5):
+    for it in range(ITERATIONS):
         global_inp = torch.rand((global_batch_size, dim))
         local_inp = global_inp[s.rank * local_batch_size:(s.rank + 1) * local_batch_size].detach()
         losses = []
@@ -419,7 +419,7 @@ def nontensor_activations(s, kind):
     s.fully_shard(model)
     ref_optim, optim = _adam(ref), _adam(model)
     torch.manual_seed(1)
-    for it in range(5):
+    for it in range(ITERATIONS):
         global_inp = torch.rand((global_batch_size, dim))
         local_inp = global_inp[s.rank * local_batch_size:(s.rank + 1) * local_batch_size].detach()
         losses = []
@@ -480,7 +480,7 @@ def nontensor_args_and_outputs(s):
     s.fully_shard(model)
     ref_optim, optim = _adam(ref), _adam(model)
     torch.manual_seed(1)
-    for it in range(5):
+    for it in range(ITERATIONS):
         global_inp = torch.rand((s.world_size * local_batch_size, dim))
         local_inp = global_inp[s.rank * local_batch_size:(s.rank + 1) * local_batch_size]
         out, mode, rows = model(local_inp)
@@ -500,7 +500,7 @@ def nontensor_args_and_outputs(s):
 
 __doc__ += "\n" + SC.table() + "\n"
 
-OUT = Outcomes(SC, run_ranks, timeout=240)
+OUT = Outcomes(SC, timeout=240)
 
 
 @pytest.mark.distributed

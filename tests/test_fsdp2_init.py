@@ -19,6 +19,7 @@ ParamModuleInfo and FQN internals, HSDP custom all-reduce hooks (set_all_reduce_
 Scenarios (name | N | source test | what it asserts), the table appended from the registry below:
 """
 
+import copy
 import itertools
 import math
 
@@ -27,8 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from conftest import run_ranks
-from fsdp2_scenarios import (MLP, CommSpy, Outcomes, Scenarios, Transformer, copy, expected_local, is_dtensor,
+from fsdp2_scenarios import (MLP, CommSpy, Outcomes, Scenarios, Transformer, expected_local, is_dtensor,
                              shard_blocks, tokens)
 
 SC = Scenarios()
@@ -490,7 +490,7 @@ def hsdp_broadcast_across_replicas(s):
 
 __doc__ += "\n" + SC.table() + "\n"
 
-OUT = Outcomes(SC, run_ranks, timeout=240)
+OUT = Outcomes(SC, timeout=240)
 
 
 @pytest.mark.distributed

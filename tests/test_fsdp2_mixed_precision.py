@@ -21,8 +21,8 @@ CUDA generators), set_gradient_divide_factor (not in the contract), shard_placem
 Scenarios (name | N | source test | what it asserts), the table appended from the registry below:
 """
 
+import copy
 import dataclasses
-import functools
 import itertools
 from typing import NamedTuple
 
@@ -31,8 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from conftest import run_ranks
-from fsdp2_scenarios import MLP, CommSpy, Outcomes, Scenarios, broadcast_module, copy, sharded_parity
+from fsdp2_scenarios import ITERATIONS, MLP, CommSpy, Outcomes, Scenarios, broadcast_module, sharded_parity
 
 SC = Scenarios()
 SRC = "test_fully_shard_mixed_precision.py::"
@@ -106,7 +105,7 @@ def compute_dtype(s, param_dtype, reshard_after_forward):
     ref_low = copy.deepcopy(ref).to(param_dtype)
     torch.manual_seed(42 + s.rank + 1)
     inp = torch.randn((4, 16), dtype=param_dtype)
-    for it in range(5):
+    for it in range(ITERATIONS):
         optim.zero_grad(set_to_none=it % 2 == 0)
         loss = model(inp).sum()
         s.check.equal(loss.dtype, param_dtype, "loss dtype")
@@ -137,7 +136,7 @@ def reduce_dtype_fp32(s, reshard_after_forward):
     ref_low = copy.deepcopy(ref).to(param_dtype)
     torch.manual_seed(42 + s.rank + 1)
     inp = torch.randn((4, 16), dtype=param_dtype)
-    for it in range(5):
+    for it in range(ITERATIONS):
         optim.zero_grad(set_to_none=it % 2 == 0)
         loss = model(inp).sum()
         with CommSpy() as spy:
@@ -162,7 +161,7 @@ def reduce_dtype_bf16(s, reshard_after_forward):
     ref, ref_optim, model, optim = _init(s, reshard_after_forward, param_dtype, reduce_dtype)
     torch.manual_seed(42 + s.rank + 1)
     inp = torch.randn((4, 16), dtype=param_dtype)
-    for it in range(5):
+    for it in range(ITERATIONS):
         optim.zero_grad(set_to_none=it % 2 == 0)
         loss = model(inp).sum()
         with CommSpy() as spy:
@@ -324,7 +323,7 @@ def structured_input_output(s, container_type, param_dtype, reduce_dtype):
     ref_optim = torch.optim.Adam(ref.parameters(), lr=1e-2)
     optim = torch.optim.Adam(model.parameters(), lr=1e-2)
     torch.manual_seed(1)  # the same on all ranks
-    for it in range(5):
+    for it in range(ITERATIONS):
         global_inp = torch.rand((global_batch_size, dim))
         local_inp = global_inp[s.rank * local_batch_size:(s.rank + 1) * local_batch_size].detach()
         optim.zero_grad(set_to_none=it % 2 == 0)
@@ -594,7 +593,7 @@ def grouped_module_cast_forward_inputs(s):
 
 __doc__ += "\n" + SC.table() + "\n"
 
-OUT = Outcomes(SC, run_ranks, timeout=240)
+OUT = Outcomes(SC, timeout=240)
 
 
 @pytest.mark.distributed

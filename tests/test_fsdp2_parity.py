@@ -24,8 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from conftest import run_ranks
-from fsdp2_scenarios import Api, Outcomes, Scenarios, Transformer, copy, tokens
+from fsdp2_scenarios import Api, Outcomes, Scenarios, Transformer, tokens
 
 SC = Scenarios()
 ISSUE = "issue 45 (bitwise beside torch's fully_shard)"
@@ -77,7 +76,7 @@ def _policy(precision):
 
 
 def bitwise_training(s, kind, precision, reshard_after_forward=None, hsdp=False, microbatches=1, clip=None,
-                     steps=5):
+                     steps=3):
     from torch.distributed.device_mesh import init_device_mesh
 
     torch_api = Api("torch")
@@ -118,7 +117,7 @@ def bitwise_training(s, kind, precision, reshard_after_forward=None, hsdp=False,
 for n in (2, 4):
     for precision in ("fp32", "bf16", "bf16_reduce_bf16"):
         SC.add(f"bitwise_transformer_{precision}_N{n}", n, ISSUE,
-               f"Transformer, {precision.replace('_', ' ')}, 5 AdamW steps: losses, gradient shards, shards and final "
+               f"Transformer, {precision.replace('_', ' ')}, 3 AdamW steps: losses, gradient shards, shards and final "
                "full parameters torch.equal to torch's fully_shard", bitwise_training, systems=("zerokit",),
                kind="transformer", precision=precision)
     SC.add(f"bitwise_uneven_fp32_reshard_False_N{n}", n, ISSUE,
@@ -192,7 +191,7 @@ for saver in ("torch", "zerokit"):
 
 __doc__ += "\n" + SC.table() + "\n"
 
-OUT = Outcomes(SC, run_ranks, timeout=240)
+OUT = Outcomes(SC, timeout=240)
 
 
 @pytest.mark.distributed

@@ -14,6 +14,7 @@ and pinned-memory offload (accelerator only), shard_placement_fn.
 Scenarios (name | N | source test | what it asserts), the table appended from the registry below:
 """
 
+import copy
 import contextlib
 import functools
 import shutil
@@ -24,8 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from conftest import run_ranks
-from fsdp2_scenarios import MLP, Outcomes, Scenarios, Transformer, copy, is_dtensor, shard_blocks, tokens
+from fsdp2_scenarios import ITERATIONS, MLP, Outcomes, Scenarios, Transformer, is_dtensor, shard_blocks, tokens
 
 SC = Scenarios()
 SRC = "test_fully_shard_state_dict.py::"
@@ -130,7 +130,7 @@ def cached_state_dict(s):
         s.check.true(same_storage(), f"dim {mlp_dim}: state_dict value on other storage")
         torch.manual_seed(42 + s.rank)
         inp = torch.rand(mlp_dim, mlp_dim)
-        for step in range(5):
+        for step in range(ITERATIONS):
             optim.zero_grad()
             model(inp).sum().backward()
             optim.step()
@@ -213,7 +213,7 @@ def shared_tmpdir():
             shutil.rmtree(path[0], ignore_errors=True)
 
 
-def _trained(s, steps, mesh=None, seed=0):
+def _trained(s, steps, mesh=None):
     """A sharded Transformer and its AdamW after `steps` steps on this rank's batches."""
     torch.manual_seed(42)
     model = Transformer(n_layers=2)
@@ -243,24 +243,24 @@ def _fresh(s, mesh=None):
 
 
 def _same_training_after(s, a, a_optim, b, b_optim, what):
-    """Both continue 3 steps: the same losses and parameters, bit for bit."""
+    """Both continue 2 steps: the same losses and parameters, bit for bit."""
     for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
         s.check.equal(q.to_local(), p.to_local(), f"{what}: {name} shard after the load")
-    la, lb = _train(a, a_optim, s.rank, range(5, 8)), _train(b, b_optim, s.rank, range(5, 8))
+    la, lb = _train(a, a_optim, s.rank, range(3, 5)), _train(b, b_optim, s.rank, range(3, 5))
     for i, (x, y) in enumerate(zip(la, lb)):
         s.check.equal(y, x, f"{what}: loss {i} after resuming")
     for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
-        s.check.equal(q.to_local(), p.to_local(), f"{what}: {name} shard after 3 more steps")
+        s.check.equal(q.to_local(), p.to_local(), f"{what}: {name} shard after 2 more steps")
 
 
 @SC.register("dcp_get_set_model_and_optimizer_state_dict", 2, DCP_SRC,
              "get_model_state_dict / get_optimizer_state_dict of a trained model (DTensor values, Adam's step and "
-             "moments) set into a fresh model and optimizer: shards equal, 3 more steps bit for bit alike")
+             "moments) set into a fresh model and optimizer: shards equal, 2 more steps bit for bit alike")
 def dcp_get_set(s):
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                          set_model_state_dict, set_optimizer_state_dict)
 
-    model, optim = _trained(s, 5)
+    model, optim = _trained(s, 3)
     msd, osd = get_model_state_dict(model), get_optimizer_state_dict(model, optim)
     s.check.true(all(is_dtensor(v) for v in msd.values()), "a model state dict value is not a DTensor")
     states = osd["state"]
@@ -281,7 +281,7 @@ def dcp_save_load(s, hsdp):
                                                          set_model_state_dict, set_optimizer_state_dict)
 
     mesh = _mesh(s.world_size, hsdp) if hsdp else None
-    model, optim = _trained(s, 5, mesh)
+    model, optim = _trained(s, 3, mesh)
     with shared_tmpdir() as path:
         dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim)},
                  checkpoint_id=path)
@@ -294,7 +294,7 @@ def dcp_save_load(s, hsdp):
 
 
 SC.add("dcp_save_load", 2, DCP_SRC, "dcp.save of model and optimizer state dicts, dcp.load into a fresh model: "
-       "shards equal, 3 more steps bit for bit alike", dcp_save_load, hsdp=False)
+       "shards equal, 2 more steps bit for bit alike", dcp_save_load, hsdp=False)
 SC.add("dcp_save_load_hsdp", 4, DCP_SRC, "the same on a (2, 2) HSDP mesh", dcp_save_load, hsdp=True)
 
 
@@ -304,7 +304,7 @@ SC.add("dcp_save_load_hsdp", 4, DCP_SRC, "the same on a (2, 2) HSDP mesh", dcp_s
 def dcp_full_state_dict_rank0(s):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-    model, optim = _trained(s, 3)
+    model, optim = _trained(s, 2)
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     expected = {n: p.full_tensor() for n, p in model.named_parameters()}
     if s.rank == 0:
@@ -323,7 +323,7 @@ def dcp_full_state_dict_rank0(s):
 
 __doc__ += "\n" + SC.table() + "\n"
 
-OUT = Outcomes(SC, run_ranks, timeout=240)
+OUT = Outcomes(SC, timeout=240)
 
 
 @pytest.mark.distributed

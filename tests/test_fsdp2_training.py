@@ -22,6 +22,7 @@ set_unshard_in_backward (not in the contract), world size 1 and 8.
 Scenarios (name | N | source test | what it asserts), the table appended from the registry below:
 """
 
+import copy
 import functools
 import gc
 import itertools
@@ -33,9 +34,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from conftest import run_ranks
-from fsdp2_scenarios import (MLP, DoubleLinear, Outcomes, Scenarios, Transformer, all_reduce_grads, broadcast_module,
-                             comm_counts, copy, ddp, is_dtensor, shard_blocks, sharded_parity, tokens, train_parity)
+from fsdp2_scenarios import (ITERATIONS, MLP, Outcomes, Scenarios, Transformer, all_reduce_grads, broadcast_module,
+                             comm_counts, ddp, is_dtensor, shard_blocks, sharded_parity, tokens, train_parity)
 
 SC = Scenarios()
 SRC = "test_fully_shard_training.py::"
@@ -83,7 +83,7 @@ for shapes in ([(16, 15), (15, 8)], [(7, 15), (15, 3)], [(16, 17), (17, 8)]):
 
 def multi_group(s, reshard_after_forward, cpu_offload=False):
     torch.manual_seed(42)
-    model = Transformer(vocab_size=32, n_layers=3)
+    model = Transformer(vocab_size=32, n_layers=2)
     ref = ddp(copy.deepcopy(model))
     ref_optim = _adam(ref)
     shard_blocks(s, model, mesh=_mesh(s.world_size), reshard_after_forward=reshard_after_forward,
@@ -197,7 +197,7 @@ def explicit_prefetching(s):
             layer.set_modules_to_backward_prefetch([model.layers[i - j] for j in range(1, n + 1)])
     torch.manual_seed(42 + s.rank)
     inp = tokens(model, 2)
-    for _ in range(5):
+    for _ in range(ITERATIONS):
         losses = []
         for m, o in ((ref, ref_optim), (model, optim)):
             o.zero_grad()
@@ -227,7 +227,7 @@ def to_float64_after_init(s):
     sharded_parity(s, ref_model, model, "before training")
     torch.manual_seed(42 + s.rank + 1)
     inp = torch.randn((2, dim), dtype=dtype)
-    for it in range(5):
+    for it in range(ITERATIONS):
         losses = []
         for m in (ref, model):
             losses.append(m(inp).sum())
@@ -401,7 +401,7 @@ def shared_params_uneven(s, reshard_after_forward):
     model.tok_embeddings.reshard()
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     torch.manual_seed(42 + s.rank)
-    for _ in range(5):
+    for _ in range(ITERATIONS):
         ids = torch.randint(0, vocab_size, (2, 8))
         F.cross_entropy(model(ids).view(-1, vocab_size).float(), ids.view(-1)).backward()
         optim.step()
@@ -518,12 +518,13 @@ def gradient_accumulation(s, hsdp, reshard_after_forward, mode, reshard_after_ba
             set_flags(last)
             inp = torch.randn(batch_size, lin_dim)
             losses = []
-            for m in (ref, model):
-                with CommDebugMode() as comm_mode:
-                    losses.append(m(inp).sum())
-                    losses[-1].backward()
-                for k, v in comm_counts(comm_mode).items():
-                    counts[k] += v
+            losses.append(ref(inp).sum())
+            losses[-1].backward()
+            with CommDebugMode() as comm_mode:
+                losses.append(model(inp).sum())
+                losses[-1].backward()
+            for k, v in comm_counts(comm_mode).items():
+                counts[k] += v
             s.check.close(losses[1], losses[0], f"iteration {it} microbatch {mb} loss")
         expected_rs = num_mlps + 1
         if mode == "some_mlps":
@@ -851,7 +852,7 @@ def non_persistent_buffers(s):
     s.check.equal(sorted(sd), ["lin1.bias", "lin1.weight", "lin2.bias", "lin2.weight", "shift"], "state_dict keys")
     s.check.true(not is_dtensor(sd["shift"]), "the buffer's state_dict value is a DTensor")
     torch.manual_seed(42 + s.rank + 1)
-    train_parity(s, ref, ref_optim, model, optim, lambda it: torch.randn(4, 6), iterations=5)
+    train_parity(s, ref, ref_optim, model, optim, lambda it: torch.randn(4, 6))
 
 
 # ---- forwards that do not end in one backward
@@ -1117,7 +1118,7 @@ for raf in (True, False):
 
 __doc__ += "\n" + SC.table() + "\n"
 
-OUT = Outcomes(SC, run_ranks, timeout=240)
+OUT = Outcomes(SC, timeout=240)
 
 
 @pytest.mark.distributed
