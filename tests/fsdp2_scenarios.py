@@ -207,8 +207,23 @@ class Scenarios:
                 for s in self.items for system in s.systems]
 
     def table(self):
-        """The scenario table (name, world size, source, assertion), as the module docstring keeps it."""
-        return "\n".join(f"{s.name} | N={s.world_size} | {s.source} | {s.asserts}" for s in self.items)
+        """The scenario table of the topic module's docstring: per scenario its name, world size, the
+        PyTorch test it ports, and what it asserts (wrapped)."""
+        import textwrap
+
+        rows = []
+        for s in self.items:
+            only = "" if s.systems == SYSTEMS else f", {'/'.join(s.systems)} only"
+            rows.append(f"- {s.name} (N={s.world_size}{only}) <- {s.source}\n"
+                        + textwrap.fill(s.asserts, 104, initial_indent="    ", subsequent_indent="    ",
+                                          break_on_hyphens=False))
+        return "\n".join(rows)
+
+    def missing_from(self, doc):
+        """The scenarios whose table row (as table() writes it) the docstring lacks or states otherwise."""
+        flat = " ".join(doc.split())
+        return [row.split(" (N=")[0][2:] for row in self.table().split("\n- ")
+                if " ".join(("- " + row if not row.startswith("- ") else row).split()) not in flat]
 
 
 def run_scenarios(rank, world_size, system, scenarios):

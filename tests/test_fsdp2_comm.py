@@ -16,7 +16,74 @@ the log). The checkpointed (AC) variants and the grouped multi-module prefetch a
 the tests of FSDP2's internal collective functions (foreach_all_gather / foreach_reduce,
 chunk_cat kernels), set_reduce_scatter_divide_factor / max_input_buffers (not in the contract).
 
-Scenarios (name | N | source test | what it asserts), the table appended from the registry below:
+Scenarios (name, world size N, <- the PyTorch test it ports; then what it asserts):
+
+- communication_count_reshard_True (N=2) <- test_fully_shard_comm.py::TestFullyShardCommunication.test_fully_shard_communication_count
+    one all-gather per FSDP module in forward; in backward one per resharded module (None: not the root,
+    False: none) and one reduce-scatter per module (CommDebugMode)
+- communication_count_reshard_False (N=2) <- test_fully_shard_comm.py::TestFullyShardCommunication.test_fully_shard_communication_count
+    one all-gather per FSDP module in forward; in backward one per resharded module (None: not the root,
+    False: none) and one reduce-scatter per module (CommDebugMode)
+- communication_count_reshard_2 (N=2) <- test_fully_shard_comm.py::TestFullyShardCommunication.test_fully_shard_communication_count
+    one all-gather per FSDP module in forward; in backward one per resharded module (None: not the root,
+    False: none) and one reduce-scatter per module (CommDebugMode)
+- communication_count_reshard_None (N=2) <- test_fully_shard_comm.py::TestFullyShardCommunication.test_fully_shard_communication_count
+    one all-gather per FSDP module in forward; in backward one per resharded module (None: not the root,
+    False: none) and one reduce-scatter per module (CommDebugMode)
+- manual_reshard_with_reshard_after_forward_false (N=2) <- test_fully_shard_comm.py::TestFullyShardCommunication.test_manual_reshard_with_reshard_after_forward_false
+    reshard_after_forward=False, then reshard() on every FSDP module before backward: backward
+    all-gathers each module again and reduce-scatters each once
+- set_reshard_after_forward_True_recurse_True (N=2) <- test_fully_shard_comm.py::TestFullyShardCommunication.test_set_reshard_after_forward
+    set_reshard_after_forward at runtime (opposite to the constructor's value; recurse=False: the root
+    only) gives the all-gather counts of that setting
+- set_reshard_after_forward_True_recurse_False (N=2) <- test_fully_shard_comm.py::TestFullyShardCommunication.test_set_reshard_after_forward
+    set_reshard_after_forward at runtime (opposite to the constructor's value; recurse=False: the root
+    only) gives the all-gather counts of that setting
+- set_reshard_after_forward_False_recurse_True (N=2) <- test_fully_shard_comm.py::TestFullyShardCommunication.test_set_reshard_after_forward
+    set_reshard_after_forward at runtime (opposite to the constructor's value; recurse=False: the root
+    only) gives the all-gather counts of that setting
+- set_reshard_after_forward_False_recurse_False (N=2) <- test_fully_shard_comm.py::TestFullyShardCommunication.test_set_reshard_after_forward
+    set_reshard_after_forward at runtime (opposite to the constructor's value; recurse=False: the root
+    only) gives the all-gather counts of that setting
+- set_reshard_after_forward_None_recurse_True (N=2) <- test_fully_shard_comm.py::TestFullyShardCommunication.test_set_reshard_after_forward
+    set_reshard_after_forward at runtime (opposite to the constructor's value; recurse=False: the root
+    only) gives the all-gather counts of that setting
+- backward_prefetch_reshard_True (N=2) <- test_fully_shard_comm.py::TestFullyShardPrefetch.test_fully_shard_backward_prefetch (forward_backward)
+    all-gathers and reduce-scatters in PyTorch's event order: forward root, blocks 0-2; backward (root
+    if resharded), block i-1 gathered before block i reduces
+- backward_prefetch_reshard_False (N=2) <- test_fully_shard_comm.py::TestFullyShardPrefetch.test_fully_shard_backward_prefetch (forward_backward)
+    all-gathers and reduce-scatters in PyTorch's event order: forward root, blocks 0-2; backward (root
+    if resharded), block i-1 gathered before block i reduces
+- backward_prefetch_reshard_2 (N=2) <- test_fully_shard_comm.py::TestFullyShardPrefetch.test_fully_shard_backward_prefetch (forward_backward)
+    all-gathers and reduce-scatters in PyTorch's event order: forward root, blocks 0-2; backward (root
+    if resharded), block i-1 gathered before block i reduces
+- backward_prefetch_reshard_None (N=2) <- test_fully_shard_comm.py::TestFullyShardPrefetch.test_fully_shard_backward_prefetch (forward_backward)
+    all-gathers and reduce-scatters in PyTorch's event order: forward root, blocks 0-2; backward (root
+    if resharded), block i-1 gathered before block i reduces
+- backward_prefetch_multi_forward_reshard_True (N=2) <- test_fully_shard_comm.py::TestFullyShardPrefetch.test_fully_shard_backward_prefetch (multi_forward)
+    two forwards then one backward: the collectives in PyTorch's event order (each module
+    reduce-scattered once, after its last post-backward; the second pass re-gathers)
+- backward_prefetch_multi_forward_reshard_False (N=2) <- test_fully_shard_comm.py::TestFullyShardPrefetch.test_fully_shard_backward_prefetch (multi_forward)
+    two forwards then one backward: the collectives in PyTorch's event order (each module
+    reduce-scattered once, after its last post-backward; the second pass re-gathers)
+- backward_prefetch_unused_in_backward (N=2) <- test_fully_shard_comm.py::TestFullyShardPrefetch.test_fully_shard_backward_prefetch (unused_in_backward)
+    a linear then two heads, backward through one head (set_is_last_backward(False), retain_graph) then
+    the other: the mistargeted prefetch of the unused head, then no second all-gather of it
+- set_modules_to_forward_prefetch_1 (N=2) <- test_fully_shard_comm.py::TestFullyShardPrefetch.test_set_modules_to_forward_prefetch
+    each block prefetches the next 1 in forward: their all-gathers precede the block's own computation;
+    backward keeps the default order
+- set_modules_to_forward_prefetch_2 (N=2) <- test_fully_shard_comm.py::TestFullyShardPrefetch.test_set_modules_to_forward_prefetch
+    each block prefetches the next 2 in forward: their all-gathers precede the block's own computation;
+    backward keeps the default order
+- set_modules_to_backward_prefetch_1 (N=2) <- test_fully_shard_comm.py::TestFullyShardPrefetch.test_set_modules_to_backward_prefetch
+    each block prefetches the previous 1 in backward: all-gathers and reduce-scatters in PyTorch's event
+    order
+- set_modules_to_backward_prefetch_2 (N=2) <- test_fully_shard_comm.py::TestFullyShardPrefetch.test_set_modules_to_backward_prefetch
+    each block prefetches the previous 2 in backward: all-gathers and reduce-scatters in PyTorch's event
+    order
+- reshard_after_forward_int_groups (N=4) <- derived from test_fully_shard_comm.py::TestFullyShardCommunication.test_fully_shard_communication_count (reshard_after_forward=2 at N=4)
+    reshard_after_forward=2 on 4 ranks (blocks and root): forward all-gathers over 4 ranks, backward
+    re-gathers every module over groups of 2 (hpZ), reduce-scatters over all 4
 """
 
 import itertools
@@ -303,9 +370,11 @@ def reshard_after_forward_int_groups(s):
     s.check.equal(sorted(e.group_size for e in spy.of("RS")), [4, 4, 4, 4], "reduce-scatters over all 4")
 
 
-__doc__ += "\n" + SC.table() + "\n"
-
 OUT = Outcomes(SC, timeout=240)
+
+
+def test_the_docstring_table_lists_every_scenario():
+    assert SC.missing_from(__doc__) == []
 
 
 @pytest.mark.distributed

@@ -16,7 +16,95 @@ The clip test's 2-D case is tensor parallel in PyTorch; here it is HSDP on a (2,
 Activation checkpointing in the frozen test uses torch.distributed._composable.checkpoint
 (not public): left out.
 
-Scenarios (name | N | source test | what it asserts), the table appended from the registry below:
+Scenarios (name, world size N, <- the PyTorch test it ports; then what it asserts):
+
+- mixed_requires_grad_per_group_reshard_False_freeze_after_init_False (N=2) <- test_fully_shard_frozen.py::TestFullyShardFrozen.test_train_mixed_requires_grad_per_group
+    biases trainable, weights frozen before fully_shard: loss and sharded parity with DDP, each
+    reduce-scatter the size of the biases' shards, run inside backward (before the next module's output
+    gradient), frozen weights without gradients
+- mixed_requires_grad_per_group_reshard_False_freeze_after_init_True (N=2) <- test_fully_shard_frozen.py::TestFullyShardFrozen.test_train_mixed_requires_grad_per_group
+    biases trainable, weights frozen after fully_shard: loss and sharded parity with DDP, each
+    reduce-scatter the size of the biases' shards, run inside backward (before the next module's output
+    gradient), frozen weights without gradients
+- mixed_requires_grad_per_group_reshard_True_freeze_after_init_False (N=2) <- test_fully_shard_frozen.py::TestFullyShardFrozen.test_train_mixed_requires_grad_per_group
+    biases trainable, weights frozen before fully_shard: loss and sharded parity with DDP, each
+    reduce-scatter the size of the biases' shards, run inside backward (before the next module's output
+    gradient), frozen weights without gradients
+- mixed_requires_grad_per_group_reshard_True_freeze_after_init_True (N=2) <- test_fully_shard_frozen.py::TestFullyShardFrozen.test_train_mixed_requires_grad_per_group
+    biases trainable, weights frozen after fully_shard: loss and sharded parity with DDP, each
+    reduce-scatter the size of the biases' shards, run inside backward (before the next module's output
+    gradient), frozen weights without gradients
+- mixed_requires_grad_per_group_reshard_2_freeze_after_init_False (N=2) <- test_fully_shard_frozen.py::TestFullyShardFrozen.test_train_mixed_requires_grad_per_group
+    biases trainable, weights frozen before fully_shard: loss and sharded parity with DDP, each
+    reduce-scatter the size of the biases' shards, run inside backward (before the next module's output
+    gradient), frozen weights without gradients
+- mixed_requires_grad_per_group_reshard_2_freeze_after_init_True (N=2) <- test_fully_shard_frozen.py::TestFullyShardFrozen.test_train_mixed_requires_grad_per_group
+    biases trainable, weights frozen after fully_shard: loss and sharded parity with DDP, each
+    reduce-scatter the size of the biases' shards, run inside backward (before the next module's output
+    gradient), frozen weights without gradients
+- mixed_requires_grad_across_groups_reshard_False_unfreeze_False (N=2) <- test_fully_shard_frozen.py::TestFullyShardFrozen.test_train_mixed_requires_grad_across_groups
+    a frozen linear among trainable ones, each its own fully_shard, a no_grad iteration: losses equal
+    DDP's (find_unused_parameters)
+- mixed_requires_grad_across_groups_reshard_False_unfreeze_True (N=2) <- test_fully_shard_frozen.py::TestFullyShardFrozen.test_train_mixed_requires_grad_across_groups
+    a frozen linear among trainable ones, each its own fully_shard, a no_grad iteration, unfrozen for
+    the last step: losses equal DDP's (find_unused_parameters)
+- mixed_requires_grad_across_groups_reshard_True_unfreeze_False (N=2) <- test_fully_shard_frozen.py::TestFullyShardFrozen.test_train_mixed_requires_grad_across_groups
+    a frozen linear among trainable ones, each its own fully_shard, a no_grad iteration: losses equal
+    DDP's (find_unused_parameters)
+- mixed_requires_grad_across_groups_reshard_True_unfreeze_True (N=2) <- test_fully_shard_frozen.py::TestFullyShardFrozen.test_train_mixed_requires_grad_across_groups
+    a frozen linear among trainable ones, each its own fully_shard, a no_grad iteration, unfrozen for
+    the last step: losses equal DDP's (find_unused_parameters)
+- mixed_requires_grad_across_groups_reshard_2_unfreeze_False (N=2) <- test_fully_shard_frozen.py::TestFullyShardFrozen.test_train_mixed_requires_grad_across_groups
+    a frozen linear among trainable ones, each its own fully_shard, a no_grad iteration: losses equal
+    DDP's (find_unused_parameters)
+- mixed_requires_grad_across_groups_reshard_2_unfreeze_True (N=2) <- test_fully_shard_frozen.py::TestFullyShardFrozen.test_train_mixed_requires_grad_across_groups
+    a frozen linear among trainable ones, each its own fully_shard, a no_grad iteration, unfrozen for
+    the last step: losses equal DDP's (find_unused_parameters)
+- multi_forward_mixed_requires_grad_reshard_True (N=2) <- test_fully_shard_frozen.py::TestFullyShardFrozen.test_multi_forward_mixed_requires_grad
+    trainable and frozen linears each run three times, with and without grad: losses equal DDP's
+- multi_forward_mixed_requires_grad_reshard_False (N=2) <- test_fully_shard_frozen.py::TestFullyShardFrozen.test_multi_forward_mixed_requires_grad
+    trainable and frozen linears each run three times, with and without grad: losses equal DDP's
+- multi_forward_mixed_requires_grad_reshard_2 (N=2) <- test_fully_shard_frozen.py::TestFullyShardFrozen.test_multi_forward_mixed_requires_grad
+    trainable and frozen linears each run three times, with and without grad: losses equal DDP's
+- clip_grad_norm_1d_norm_2 (N=2) <- test_fully_shard_clip_grad_norm_.py::TestClipGradNormWorldSize2.test_clip_grad_norm_1d
+    torch.nn.utils.clip_grad_norm_ on the DTensor gradients: total norm equals DDP's, one all-reduce,
+    every local gradient clipped below max_norm
+- clip_grad_norm_1d_norm_1 (N=2) <- test_fully_shard_clip_grad_norm_.py::TestClipGradNormWorldSize2.test_clip_grad_norm_1d
+    torch.nn.utils.clip_grad_norm_ on the DTensor gradients: total norm equals DDP's, one all-reduce,
+    every local gradient clipped below max_norm
+- clip_grad_norm_1d_norm_inf (N=2) <- test_fully_shard_clip_grad_norm_.py::TestClipGradNormWorldSize2.test_clip_grad_norm_1d
+    torch.nn.utils.clip_grad_norm_ on the DTensor gradients: total norm equals DDP's, one all-reduce,
+    every local gradient clipped below max_norm
+- clip_grad_norm_hsdp_norm_2 (N=4) <- test_fully_shard_clip_grad_norm_.py::TestClipGradNormWorldSize4.test_clip_grad_norm_2d (HSDP for TP)
+    HSDP (2, 2): total norm equals DDP's, one all-reduce per mesh dimension, gradients clipped
+- clip_grad_norm_hsdp_norm_inf (N=4) <- test_fully_shard_clip_grad_norm_.py::TestClipGradNormWorldSize4.test_clip_grad_norm_2d (HSDP for TP)
+    HSDP (2, 2): total norm equals DDP's, one all-reduce per mesh dimension, gradients clipped
+- unused_forward_output_reshard_True (N=2) <- test_fully_shard_autograd.py::TestFullyShardAutograd.test_unused_forward_output
+    the loss uses both outputs, then only the first: global loss and sharded parity with one process on
+    the global batch
+- unused_forward_output_reshard_False (N=2) <- test_fully_shard_autograd.py::TestFullyShardAutograd.test_unused_forward_output
+    the loss uses both outputs, then only the first: global loss and sharded parity with one process on
+    the global batch
+- unused_forward_output_reshard_2 (N=2) <- test_fully_shard_autograd.py::TestFullyShardAutograd.test_unused_forward_output
+    the loss uses both outputs, then only the first: global loss and sharded parity with one process on
+    the global batch
+- unused_forward_module_reshard_True (N=2) <- test_fully_shard_autograd.py::TestFullyShardAutograd.test_unused_forward_module
+    an FSDP module never run in forward: no gradient for it, loss and sharded parity with one process
+- unused_forward_module_reshard_False (N=2) <- test_fully_shard_autograd.py::TestFullyShardAutograd.test_unused_forward_module
+    an FSDP module never run in forward: no gradient for it, loss and sharded parity with one process
+- unused_forward_module_reshard_2 (N=2) <- test_fully_shard_autograd.py::TestFullyShardAutograd.test_unused_forward_module
+    an FSDP module never run in forward: no gradient for it, loss and sharded parity with one process
+- nontensor_activations_list (N=2) <- test_fully_shard_autograd.py::TestFullyShardAutograd.test_nontensor_activations
+    activations passed between FSDP modules in a list: loss and sharded parity with one process
+- nontensor_activations_namedtuple (N=2) <- test_fully_shard_autograd.py::TestFullyShardAutograd.test_nontensor_activations
+    activations passed between FSDP modules in a namedtuple: loss and sharded parity with one process
+- nontensor_activations_tuple (N=2) <- test_fully_shard_autograd.py::TestFullyShardAutograd.test_nontensor_activations
+    activations passed between FSDP modules in a tuple: loss and sharded parity with one process
+- nontensor_activations_dict (N=2) <- test_fully_shard_autograd.py::TestFullyShardAutograd.test_nontensor_activations
+    activations passed between FSDP modules in a dict: loss and sharded parity with one process
+- nontensor_args_and_outputs (N=2) <- derived from test_fully_shard_autograd.py::TestFullyShardAutograd.test_nontensor_activations
+    float / str / None arguments (positional and keyword) into FSDP modules and a dict with non-tensors
+    out: non-tensors pass through unchanged, loss and sharded parity with one process for 3 steps
 """
 
 import copy
@@ -469,7 +557,7 @@ class ScaledStack(nn.Module):
 
 @SC.register("nontensor_args_and_outputs", 2, "derived from " + AUTOGRAD + "test_nontensor_activations",
              "float / str / None arguments (positional and keyword) into FSDP modules and a dict with non-tensors "
-             "out: non-tensors pass through unchanged, loss and sharded parity with one process for 5 steps")
+             "out: non-tensors pass through unchanged, loss and sharded parity with one process for 3 steps")
 def nontensor_args_and_outputs(s):
     torch.manual_seed(42)
     dim, local_batch_size = 12, 2
@@ -498,9 +586,11 @@ def nontensor_args_and_outputs(s):
             o.zero_grad()
 
 
-__doc__ += "\n" + SC.table() + "\n"
-
 OUT = Outcomes(SC, timeout=240)
+
+
+def test_the_docstring_table_lists_every_scenario():
+    assert SC.missing_from(__doc__) == []
 
 
 @pytest.mark.distributed

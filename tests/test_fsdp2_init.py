@@ -16,7 +16,71 @@ Public stand-ins for what PyTorch's bodies read privately:
 Left out: the device-moving tests (CUDA), tensor parallel meshes (2-D with TP, _StridedShard),
 ParamModuleInfo and FQN internals, HSDP custom all-reduce hooks (set_all_reduce_hook, streams).
 
-Scenarios (name | N | source test | what it asserts), the table appended from the registry below:
+Scenarios (name, world size N, <- the PyTorch test it ports; then what it asserts):
+
+- shard_tensor_parameters_N2 (N=2) <- test_fully_shard_init.py::TestFullyShardShardedParameterTensor.test_shard_tensor_parameters
+    each parameter an nn.Parameter DTensor on the world mesh, global size and stride kept, (Shard(0),),
+    local shard = torch.chunk(dim 0)[rank] (empty past the last chunk), full_tensor() the original
+- shard_tensor_parameters_N4 (N=4) <- test_fully_shard_init.py::TestFullyShardShardedParameterTensor.test_shard_tensor_parameters
+    each parameter an nn.Parameter DTensor on the world mesh, global size and stride kept, (Shard(0),),
+    local shard = torch.chunk(dim 0)[rank] (empty past the last chunk), full_tensor() the original
+- uneven_dim0_padding (N=4) <- derived from test_fully_shard_init.py::TestFullyShardShardedParameterTensor (odd sizes) and test_fully_shard_training.py (uneven shapes)
+    dims 5, 7, 1 and 9 on 4 ranks: shard rows 2/2/1/0, 2/2/2/1, 1/0/0/0, 3/3/3/0 (torch.chunk); inside
+    forward the parameter is the full plain tensor with storage for at least the padded size; after an
+    Adam step the shards keep their shapes and equal the replicated reference's
+- raise_scalar_parameter (N=2) <- test_fully_shard_init.py::TestFullyShardShardedParameterTensor.test_raise_scalar_parameter
+    a 0-d parameter: fully_shard raises ValueError
+- raise_noncontiguous_parameter (N=2) <- test_fully_shard_init.py::TestFullyShardShardedParameterTensor.test_raise_noncontiguous_parameter
+    a channels_last (non-contiguous) conv weight: fully_shard raises NotImplementedError
+- invalid_mesh_ndim (N=2) <- test_fully_shard_init.py::TestFullyShardMeshArg.test_invalid_mesh_ndim
+    a 3-D mesh: fully_shard raises ValueError
+- 2d_mesh_without_mesh_dim_names (N=4) <- test_fully_shard_init.py::TestFullyShardMeshArg.test_2d_mesh_without_mesh_dim_names
+    a 2-D mesh without mesh_dim_names: fully_shard refuses it (torch: AssertionError; ValueError
+    accepted)
+- fsdp_module_class_and_return (N=2) <- derived from test_fully_shard_init.py::(FSDPModule) and _fully_shard.py's contract
+    fully_shard returns the module itself, its class a subclass of FSDPModule and of the original; a
+    list call makes each an FSDPModule; the original class's methods still work
+- managed_states_by_all_gather_size (N=2) <- test_fully_shard_init.py::TestFullyShardManagedModulesAndStates (nested, shared params, list of modules)
+    what each group manages, read from its all-gather's size: a nested fully_shard's parameters not in
+    the parent's, shared parameters once, a list call one all-gather for both modules
+- lazy_init_errors (N=2) <- test_fully_shard_init.py::TestFullyShardLazyInit (double_lazy_init, multi_module_root)
+    forwarding a non-root FSDP module first, then the root: RuntimeError; a list call with no root above
+    (two modules as the root group): RuntimeError at the first forward
+- meta_device_1d_init_dim8 (N=4) <- test_fully_shard_init.py::TestFullyShardMetaDeviceInit.test_meta_device_1d_init
+    built on meta, sharded there, to_empty on CPU: DTensors on CPU; reset_parameters fills every
+    non-empty shard and the buffer; a training step runs
+- meta_device_1d_init_dim8_bf16 (N=4) <- test_fully_shard_init.py::TestFullyShardMetaDeviceInit.test_meta_device_1d_init
+    built on meta, sharded there, to_empty on CPU: DTensors on CPU; reset_parameters fills every
+    non-empty shard and the buffer; a training step runs (bf16 policy)
+- meta_device_1d_init_dim3 (N=4) <- test_fully_shard_init.py::TestFullyShardMetaDeviceInit.test_meta_device_1d_init
+    built on meta, sharded there, to_empty on CPU: DTensors on CPU; reset_parameters fills every
+    non-empty shard and the buffer; a training step runs
+- meta_device_1d_init_dim3_bf16 (N=4) <- test_fully_shard_init.py::TestFullyShardMetaDeviceInit.test_meta_device_1d_init
+    built on meta, sharded there, to_empty on CPU: DTensors on CPU; reset_parameters fills every
+    non-empty shard and the buffer; a training step runs (bf16 policy)
+- meta_device_1d_init_dim1 (N=4) <- test_fully_shard_init.py::TestFullyShardMetaDeviceInit.test_meta_device_1d_init
+    built on meta, sharded there, to_empty on CPU: DTensors on CPU; reset_parameters fills every
+    non-empty shard and the buffer; a training step runs
+- meta_device_1d_init_dim1_bf16 (N=4) <- test_fully_shard_init.py::TestFullyShardMetaDeviceInit.test_meta_device_1d_init
+    built on meta, sharded there, to_empty on CPU: DTensors on CPU; reset_parameters fills every
+    non-empty shard and the buffer; a training step runs (bf16 policy)
+- invalid_meta_device_init (N=2) <- test_fully_shard_init.py::TestFullyShardMetaDeviceInit.test_invalid_meta_device_init
+    a forward with model[0] still on meta: RuntimeError
+- rank0_broadcast_meta_device_init (N=2) <- test_fully_shard_init.py::TestFullyShardMetaDeviceInit.test_rank0_broadcast_meta_device_init
+    a meta-device sharded model loaded (assign=True) from rank 0's full state dict by broadcast and
+    distribute_tensor: the same shards, loss and gradients as a model sharded from the full weights
+- reset_sharded_param_in_lazy_init (N=2) <- test_fully_shard_init.py::TestFullyShardLazyInit.test_reset_sharded_param_in_lazy_init
+    a parameter replaced after fully_shard by one computed from the sharded weights (meta model,
+    to_empty): forward/backward run with its values, it is a DTensor with a gradient
+- 1d_process_group_init (N=4) <- test_fully_shard_init.py::TestFullyShardProcessGroupInit.test_1d_process_group_init
+    a DP mesh made by DeviceMesh.from_group(dp group) equals the sub-mesh of a (dp, tp) mesh, and
+    fully_shard on it gives the same loss, shards and gradient shards
+- 2d_process_group_init (N=4) <- test_fully_shard_init.py::TestFullyShardProcessGroupInit.test_2d_process_group_init
+    an HSDP mesh built by DeviceMesh.from_group from replicate and shard groups (dist.new_group) equals
+    init_device_mesh's, and fully_shard on it gives the same loss, parameters and gradients
+- hsdp_broadcast_across_replicas (N=4) <- test_fully_shard_init.py::TestFullyShardHSDPBroadcast.test_hsdp_broadcast_across_replicas
+    HSDP shards (and a buffer) made to differ across replicas, then broadcast over the replicate group
+    from its first rank: replicas equal, an iteration runs
 """
 
 import copy
@@ -488,9 +552,11 @@ def hsdp_broadcast_across_replicas(s):
     s.check.true(all(p.grad is not None for p in model.parameters()), "no gradient after the iteration")
 
 
-__doc__ += "\n" + SC.table() + "\n"
-
 OUT = Outcomes(SC, timeout=240)
+
+
+def test_the_docstring_table_lists_every_scenario():
+    assert SC.missing_from(__doc__) == []
 
 
 @pytest.mark.distributed

@@ -18,7 +18,96 @@ a tensor with grad_dtype 'Float'"): left out. BatchNorm with fp32 running stats 
 param_dtype raises on CPU (PyTorch expects that on CUDA/XPU only); asserted as such. Left out too: the JVP test (meta-device + torch.func.jvp with
 CUDA generators), set_gradient_divide_factor (not in the contract), shard_placement_fn variants.
 
-Scenarios (name | N | source test | what it asserts), the table appended from the registry below:
+Scenarios (name, world size N, <- the PyTorch test it ports; then what it asserts):
+
+- compute_dtype_bfloat16_reshard_False (N=2) <- test_fully_shard_mixed_precision.py::TestFullyShardMixedPrecisionTraining.test_compute_dtype
+    param_dtype bfloat16, reduce_dtype None: loss in bfloat16, every reduce-scatter in bfloat16, loss
+    and fp32 shards equal a low-precision replicated reference with an fp32 step
+- compute_dtype_bfloat16_reshard_True (N=2) <- test_fully_shard_mixed_precision.py::TestFullyShardMixedPrecisionTraining.test_compute_dtype
+    param_dtype bfloat16, reduce_dtype None: loss in bfloat16, every reduce-scatter in bfloat16, loss
+    and fp32 shards equal a low-precision replicated reference with an fp32 step
+- compute_dtype_bfloat16_reshard_2 (N=2) <- test_fully_shard_mixed_precision.py::TestFullyShardMixedPrecisionTraining.test_compute_dtype
+    param_dtype bfloat16, reduce_dtype None: loss in bfloat16, every reduce-scatter in bfloat16, loss
+    and fp32 shards equal a low-precision replicated reference with an fp32 step
+- compute_dtype_float16_reshard_True (N=2) <- test_fully_shard_mixed_precision.py::TestFullyShardMixedPrecisionTraining.test_compute_dtype
+    param_dtype float16, reduce_dtype None: loss in float16, every reduce-scatter in float16, loss and
+    fp32 shards equal a low-precision replicated reference with an fp32 step
+- reduce_dtype_fp32_reshard_False (N=2) <- test_fully_shard_mixed_precision.py::TestFullyShardMixedPrecisionTraining.test_reduce_dtype (fp32 reduce)
+    bf16 compute, reduce_dtype fp32: reduce-scatters in fp32, loss and shards equal a bf16 reference
+    all-reducing in fp32
+- reduce_dtype_bf16_reshard_False (N=2) <- test_fully_shard_mixed_precision.py::TestFullyShardMixedPrecisionTraining.test_reduce_dtype (bf16 reduce)
+    fp32 compute, reduce_dtype bf16: reduce-scatters in bf16, loss and shards equal an fp32 reference
+    reducing in bf16
+- reduce_dtype_fp32_reshard_True (N=2) <- test_fully_shard_mixed_precision.py::TestFullyShardMixedPrecisionTraining.test_reduce_dtype (fp32 reduce)
+    bf16 compute, reduce_dtype fp32: reduce-scatters in fp32, loss and shards equal a bf16 reference
+    all-reducing in fp32
+- reduce_dtype_bf16_reshard_True (N=2) <- test_fully_shard_mixed_precision.py::TestFullyShardMixedPrecisionTraining.test_reduce_dtype (bf16 reduce)
+    fp32 compute, reduce_dtype bf16: reduce-scatters in bf16, loss and shards equal an fp32 reference
+    reducing in bf16
+- reduce_dtype_fp32_reshard_2 (N=2) <- test_fully_shard_mixed_precision.py::TestFullyShardMixedPrecisionTraining.test_reduce_dtype (fp32 reduce)
+    bf16 compute, reduce_dtype fp32: reduce-scatters in fp32, loss and shards equal a bf16 reference
+    all-reducing in fp32
+- reduce_dtype_bf16_reshard_2 (N=2) <- test_fully_shard_mixed_precision.py::TestFullyShardMixedPrecisionTraining.test_reduce_dtype (bf16 reduce)
+    fp32 compute, reduce_dtype bf16: reduce-scatters in bf16, loss and shards equal an fp32 reference
+    reducing in bf16
+- grad_acc_with_reduce_dtype_reshard_True (N=2) <- test_fully_shard_mixed_precision.py::TestFullyShardMixedPrecisionTraining.test_grad_acc_with_reduce_dtype
+    bf16 compute, fp32 reduce, 4 microbatches without sync but the last: no reduce-scatter until the
+    last (in fp32), the accumulated gradients equal a reference accumulating bf16 gradients in fp32
+- grad_acc_with_reduce_dtype_reshard_False (N=2) <- test_fully_shard_mixed_precision.py::TestFullyShardMixedPrecisionTraining.test_grad_acc_with_reduce_dtype
+    bf16 compute, fp32 reduce, 4 microbatches without sync but the last: no reduce-scatter until the
+    last (in fp32), the accumulated gradients equal a reference accumulating bf16 gradients in fp32
+- structured_dataclass_fp32 (N=2) <- test_fully_shard_mixed_precision.py::TestFullyShardMixedPrecisionTraining.test_structured_input_output
+    activations passed between FSDP modules as a dataclass, fp32: the global loss equals one process's
+    on the global batch, sharded parity
+- structured_dataclass_bf16_reduce_bfloat16 (N=2) <- test_fully_shard_mixed_precision.py::TestFullyShardMixedPrecisionTraining.test_structured_input_output
+    activations passed between FSDP modules as a dataclass, bf16 reduce bfloat16: the global loss equals
+    one process's on the global batch
+- structured_dataclass_bf16_reduce_float32 (N=2) <- test_fully_shard_mixed_precision.py::TestFullyShardMixedPrecisionTraining.test_structured_input_output
+    activations passed between FSDP modules as a dataclass, bf16 reduce float32: the global loss equals
+    one process's on the global batch
+- structured_nested_dataclass_fp32 (N=2) <- test_fully_shard_mixed_precision.py::TestFullyShardMixedPrecisionTraining.test_structured_input_output
+    activations passed between FSDP modules as a nested dataclass, fp32: the global loss equals one
+    process's on the global batch, sharded parity
+- structured_nested_dataclass_bf16_reduce_bfloat16 (N=2) <- test_fully_shard_mixed_precision.py::TestFullyShardMixedPrecisionTraining.test_structured_input_output
+    activations passed between FSDP modules as a nested dataclass, bf16 reduce bfloat16: the global loss
+    equals one process's on the global batch
+- structured_nested_dataclass_bf16_reduce_float32 (N=2) <- test_fully_shard_mixed_precision.py::TestFullyShardMixedPrecisionTraining.test_structured_input_output
+    activations passed between FSDP modules as a nested dataclass, bf16 reduce float32: the global loss
+    equals one process's on the global batch
+- structured_namedtuple_fp32 (N=2) <- test_fully_shard_mixed_precision.py::TestFullyShardMixedPrecisionTraining.test_structured_input_output
+    activations passed between FSDP modules as a namedtuple, fp32: the global loss equals one process's
+    on the global batch, sharded parity
+- structured_namedtuple_bf16_reduce_bfloat16 (N=2) <- test_fully_shard_mixed_precision.py::TestFullyShardMixedPrecisionTraining.test_structured_input_output
+    activations passed between FSDP modules as a namedtuple, bf16 reduce bfloat16: the global loss
+    equals one process's on the global batch
+- structured_namedtuple_bf16_reduce_float32 (N=2) <- test_fully_shard_mixed_precision.py::TestFullyShardMixedPrecisionTraining.test_structured_input_output
+    activations passed between FSDP modules as a namedtuple, bf16 reduce float32: the global loss equals
+    one process's on the global batch
+- float16_on_one_submodule (N=2) <- test_fully_shard_mixed_precision.py::TestFullyShardMixedPrecisionCasts.test_float16_on_one_submodule
+    fp16 on one child only: (1) c2's inputs cast to fp16 by its policy, (2) not with
+    cast_forward_inputs=False (the module casts), (3) c1 with output_dtype fp32 hands c2 fp32
+- submodules_with_external_inputs_cast_False (N=2) <- test_fully_shard_mixed_precision.py::TestFullyShardMixedPrecisionCasts.test_submodules_with_external_inputs
+    a child's input made inside the root's forward is left fp32 by the child's cast_forward_inputs
+- submodules_with_external_inputs_cast_True (N=2) <- test_fully_shard_mixed_precision.py::TestFullyShardMixedPrecisionCasts.test_submodules_with_external_inputs
+    a child's input made inside the root's forward is cast to fp16 by the child's cast_forward_inputs
+- checkpoint_recompute_casts_input (N=2) <- test_fully_shard_mixed_precision.py::TestFullyShardMixedPrecisionCasts.test_checkpoint_recompute_casts_forward_inputs
+    under torch.utils.checkpoint the recompute casts the input as the forward did (bf16 in / fp32 out)
+- checkpoint_recompute_casts_output (N=2) <- test_fully_shard_mixed_precision.py::TestFullyShardMixedPrecisionCasts.test_checkpoint_recompute_casts_outputs
+    under torch.utils.checkpoint the recompute casts the output as the forward did (bf16 in / fp32 out)
+- norm_modules_bfloat16 (N=2) <- test_fully_shard_mixed_precision.py::TestFullyShardMixedPrecisionCasts.test_norm_modules_bf16
+    param_dtype bfloat16: LayerNorm runs in bfloat16; BatchNorm1d/2d with fp32 running stats raise CPU's
+    dtype error (buffers are not cast); with the stats cast, or the norm in fp32 with output_dtype,
+    bfloat16 out and backward runs
+- norm_modules_float16 (N=2) <- test_fully_shard_mixed_precision.py::TestFullyShardMixedPrecisionCasts.test_norm_modules_fp16
+    param_dtype float16: LayerNorm runs in float16; BatchNorm1d/2d with fp32 running stats raise CPU's
+    dtype error (buffers are not cast); with the stats cast, or the norm in fp32 with output_dtype,
+    float16 out and backward runs
+- clamp_reduce_dtype (N=2) <- test_fully_shard_mixed_precision.py::TestFullyShardMixedPrecisionCasts.test_clamp_reduce_dtype
+    bf16 param and reduce dtype on a model built in bf16 then moved to fp32: the reduce-scatters stay
+    bf16
+- grouped_module_cast_forward_inputs (N=2) <- test_fully_shard_training.py::TestFullyShard1DTrainingCompose.test_grouped_module_cast_forward_inputs
+    fully_shard([a, b]) with bf16 and cast_forward_inputs: b's fp32 input is cast too, output bf16,
+    every parameter gets a gradient
 """
 
 import copy
@@ -591,9 +680,11 @@ def grouped_module_cast_forward_inputs(s):
         s.check.true(p.grad is not None, f"{name}: no gradient")
 
 
-__doc__ += "\n" + SC.table() + "\n"
-
 OUT = Outcomes(SC, timeout=240)
+
+
+def test_the_docstring_table_lists_every_scenario():
+    assert SC.missing_from(__doc__) == []
 
 
 @pytest.mark.distributed

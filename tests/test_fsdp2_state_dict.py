@@ -11,7 +11,43 @@ A checkpoint written by one system and read by the other is in tests/test_fsdp2_
 Left out: the tensor-parallel meshes (2-D with TP), `.cuda()` round trips (mutate_after_state_dict)
 and pinned-memory offload (accelerator only), shard_placement_fn.
 
-Scenarios (name | N | source test | what it asserts), the table appended from the registry below:
+Scenarios (name, world size N, <- the PyTorch test it ports; then what it asserts):
+
+- dp_state_dict_save_load_dim2 (N=2) <- test_fully_shard_state_dict.py::TestFullyShardStateDictMultiProcess.test_dp_state_dict_save_load
+    state_dict() values are DTensors on the parameters' own storage (empty shards zero), load_state_dict
+    of new DTensors writes them (in place when even), also after a reshard_after_forward=False forward
+- dp_state_dict_save_load_dim3 (N=2) <- test_fully_shard_state_dict.py::TestFullyShardStateDictMultiProcess.test_dp_state_dict_save_load
+    state_dict() values are DTensors on the parameters' own storage (empty shards zero), load_state_dict
+    of new DTensors writes them (in place when even), also after a reshard_after_forward=False forward
+- dp_state_dict_save_load_dim4 (N=2) <- test_fully_shard_state_dict.py::TestFullyShardStateDictMultiProcess.test_dp_state_dict_save_load
+    state_dict() values are DTensors on the parameters' own storage (empty shards zero), load_state_dict
+    of new DTensors writes them (in place when even), also after a reshard_after_forward=False forward
+- dp_state_dict_save_load_dim5 (N=2) <- test_fully_shard_state_dict.py::TestFullyShardStateDictMultiProcess.test_dp_state_dict_save_load
+    state_dict() values are DTensors on the parameters' own storage (empty shards zero), load_state_dict
+    of new DTensors writes them (in place when even), also after a reshard_after_forward=False forward
+- hsdp_state_dict_save_load_dim3 (N=4) <- test_fully_shard_state_dict.py::TestFullyShardStateDictMultiProcess.test_dp_state_dict_save_load (HSDP mesh)
+    the same on a (2, 2) HSDP mesh
+- hsdp_state_dict_save_load_dim5 (N=4) <- test_fully_shard_state_dict.py::TestFullyShardStateDictMultiProcess.test_dp_state_dict_save_load (HSDP mesh)
+    the same on a (2, 2) HSDP mesh
+- cached_state_dict (N=2) <- test_fully_shard_state_dict.py::TestFullyShardStateDictMultiProcess.test_cached_state_dict (mutate_after_state_dict=False)
+    a state_dict() taken once keeps sharing storage with the weight through 5 AdamW steps (dims 2-5)
+- dp_state_dict_cpu_offload (N=2) <- test_fully_shard_state_dict.py::TestFullyShardStateDictMultiProcess.test_dp_state_dict_cpu_offload (pin_memory=False, CPU state dict)
+    a meta-device model under CPUOffloadPolicy loaded piece by piece (strict=False, assign=True) from
+    DTensors: values loaded, forward runs, state_dict() on the CPU
+- rank0_full_state_dict (N=2) <- test_fully_shard_state_dict.py::TestFullyShardStateDictMultiThread.test_rank0_offload_full_state_dict
+    a sharded Transformer's state_dict gathered with full_tensor() equals the unsharded model's on rank
+    0 (keys in order, CPU), nothing kept on the others
+- dcp_get_set_model_and_optimizer_state_dict (N=2) <- derived from test/distributed/checkpoint/test_state_dict.py and e2e/test_e2e_save_and_load.py (FSDP2)
+    get_model_state_dict / get_optimizer_state_dict of a trained model (DTensor values, Adam's step and
+    moments) set into a fresh model and optimizer: shards equal, 2 more steps bit for bit alike
+- dcp_save_load (N=2) <- derived from test/distributed/checkpoint/test_state_dict.py and e2e/test_e2e_save_and_load.py (FSDP2)
+    dcp.save of model and optimizer state dicts, dcp.load into a fresh model: shards equal, 2 more steps
+    bit for bit alike
+- dcp_save_load_hsdp (N=4) <- derived from test/distributed/checkpoint/test_state_dict.py and e2e/test_e2e_save_and_load.py (FSDP2)
+    the same on a (2, 2) HSDP mesh
+- dcp_full_state_dict_rank0 (N=2) <- derived from test/distributed/checkpoint/test_state_dict.py and e2e/test_e2e_save_and_load.py (FSDP2) (full_state_dict, cpu_offload, broadcast_from_rank0)
+    StateDictOptions(full_state_dict, cpu_offload): rank 0 gets plain CPU tensors equal to the full
+    parameters; set_model_state_dict(broadcast_from_rank0) restores them into a fresh sharded model
 """
 
 import copy
@@ -321,9 +357,11 @@ def dcp_full_state_dict_rank0(s):
         s.check.equal(p.full_tensor(), expected[name], f"{name} after broadcast_from_rank0")
 
 
-__doc__ += "\n" + SC.table() + "\n"
-
 OUT = Outcomes(SC, timeout=240)
+
+
+def test_the_docstring_table_lists_every_scenario():
+    assert SC.missing_from(__doc__) == []
 
 
 @pytest.mark.distributed

@@ -19,7 +19,193 @@ graphs, streams of share_comm_ctx), shard_placement_fn (not required), TP/EP mes
 with tensor parallel), `_set_unshard_async_op` (private), reset_iter_state and
 set_unshard_in_backward (not in the contract), world size 1 and 8.
 
-Scenarios (name | N | source test | what it asserts), the table appended from the registry below:
+Scenarios (name, world size N, <- the PyTorch test it ports; then what it asserts):
+
+- single_group_16_15_8 (N=2) <- test_fully_shard_training.py::TestFullyShard1DTrainingCore.test_train_parity_single_group_shard_dim0
+    one fully_shard on the root: each rank's loss equals DDP's every Adam step (3)
+- single_group_7_15_3 (N=2) <- test_fully_shard_training.py::TestFullyShard1DTrainingCore.test_train_parity_single_group_shard_dim0
+    one fully_shard on the root: each rank's loss equals DDP's every Adam step (3)
+- single_group_16_17_8 (N=2) <- test_fully_shard_training.py::TestFullyShard1DTrainingCore.test_train_parity_single_group_shard_dim0
+    one fully_shard on the root: each rank's loss equals DDP's every Adam step (3)
+- multi_group_reshard_True (N=2) <- test_fully_shard_training.py::TestFullyShard1DTrainingCore.test_train_parity_multi_group
+    a block per fully_shard then the root: the loss equals DDP's every step
+- multi_group_reshard_False (N=2) <- test_fully_shard_training.py::TestFullyShard1DTrainingCore.test_train_parity_multi_group
+    a block per fully_shard then the root: the loss equals DDP's every step
+- multi_group_reshard_2 (N=4) <- test_fully_shard_training.py::TestFullyShard1DTrainingCore.test_train_parity_multi_group
+    reshard_after_forward=2 (hpZ, resharded to groups of 2 of 4): the loss equals DDP's every step
+- multi_group_cpu_offload (N=2) <- test_fully_shard_training.py::TestFullyShard1DTrainingCore.test_train_parity_multi_group_cpu_offload_eager
+    CPUOffloadPolicy(pin_memory=False) on CPU: the loss equals DDP's; shards and gradients on the CPU
+- non_root_forward_backward (N=2) <- test_fully_shard_training.py::TestFullyShard1DTrainingCore.test_non_root_forward_backward
+    a forward/backward through the root, then one through model[0] alone: losses equal a replicated
+    model with all-reduced gradients
+- multi_forward_module_reshard_True (N=2) <- test_fully_shard_training.py::TestFullyShard1DTrainingCore.test_multi_forward_module
+    a module run twice in one forward: the loss equals DDP's every step (reshard_after_forward passed to
+    both calls, which torch's body leaves at its default)
+- multi_forward_module_reshard_False (N=2) <- test_fully_shard_training.py::TestFullyShard1DTrainingCore.test_multi_forward_module
+    a module run twice in one forward: the loss equals DDP's every step (reshard_after_forward passed to
+    both calls, which torch's body leaves at its default)
+- multi_forward_module_reshard_2 (N=2) <- test_fully_shard_training.py::TestFullyShard1DTrainingCore.test_multi_forward_module
+    a module run twice in one forward: the loss equals DDP's every step (reshard_after_forward passed to
+    both calls, which torch's body leaves at its default)
+- explicit_prefetching (N=2) <- test_fully_shard_training.py::TestFullyShard1DTrainingCore.test_explicit_prefetching
+    set_modules_to_forward/backward_prefetch of the next/previous two blocks: the loss equals DDP's
+    (AdamW) every step
+- to_float64_after_init (N=2) <- test_fully_shard_training.py::TestFullyShardCastAfterInit.test_to_float64_after_init
+    model.to(float64) after fully_shard: parameters, shards and gradients float64; sharded parity with a
+    replicated float64 DDP model every step
+- param_registration_after_forward (N=2) <- test_fully_shard_training.py::TestFullyShardRegisteredParams.test_param_registration_after_forward
+    after forward the registered parameters are DTensors iff the module resharded (True, 2; False and
+    None keep the root's unsharded), values unchanged; reshard() registers the DTensors again
+- param_registration_after_backward (N=2) <- test_fully_shard_training.py::TestFullyShardRegisteredParams.test_param_registration_after_backward
+    after backward every registered parameter is a DTensor again (True, False, 2; one group and three)
+- root_no_forward_inputs (N=2) <- test_fully_shard_training.py::TestFullyShardForwardInputs.test_root_no_forward_inputs
+    a root whose forward takes no inputs: output (4, 4), backward gives a DTensor gradient
+- root_forward_tuple_input (N=2) <- test_fully_shard_training.py::TestFullyShardForwardInputs.test_root_move_forward_input_to_device
+    a parameter-less root given a tensor and a tuple of tensors: its output is x + ys[0] + ys[1] + 1 on
+    CPU
+- shared_params_reshard_False (N=2) <- test_fully_shard_training.py::TestFullyShardSharedParams.test_train_parity_with_shared_params
+    output tied to the token embedding (in the root): the loss equals DDP's every step
+- shared_params_reshard_True (N=2) <- test_fully_shard_training.py::TestFullyShardSharedParams.test_train_parity_with_shared_params
+    output tied to the token embedding (in the root): the loss equals DDP's every step
+- shared_params_uneven_shard_reshard_True (N=4) <- test_fully_shard_training.py::TestFullyShardSharedParams.test_train_shared_params_uneven_shard
+    tied embedding/output of 17 rows in one grouped fully_shard([a, b]) on 4 ranks: unshard() registers
+    the full weight, every row changes in 3 AdamW steps
+- shared_params_uneven_shard_reshard_False (N=4) <- test_fully_shard_training.py::TestFullyShardSharedParams.test_train_shared_params_uneven_shard
+    tied embedding/output of 17 rows in one grouped fully_shard([a, b]) on 4 ranks: unshard() registers
+    the full weight, every row changes in 3 AdamW steps
+- shared_params_separate_groups_error (N=2) <- test_fully_shard_training.py::TestFullyShardSharedParams.test_shared_params_separate_fsdp_groups_error
+    a tied parameter in two separate fully_shard calls: the first forward raises ValueError
+- layer_by_layer_shard (N=2) <- test_fully_shard_training.py::TestFullyShardSharedParams.test_layer_by_layer_shard_no_false_positive
+    blocks built and sharded one at a time with gc in between: forward/backward runs, every gradient a
+    DTensor
+- gradient_accumulation_all_reshard_True (N=2) <- test_fully_shard_training.py::TestFullyShardGradientAccumulation.test_gradient_accumulation
+    3 microbatches with gradient sync off but the last (mode all, raf True, rab True): losses equal a
+    replicated reference, all-gather / reduce-scatter / all-reduce counts per step by torch's formula,
+    sharded parity of parameters and accumulated gradients
+- gradient_accumulation_all_no_reshard (N=2) <- test_fully_shard_training.py::TestFullyShardGradientAccumulation.test_gradient_accumulation
+    3 microbatches with gradient sync off but the last (mode all, raf False, rab False): losses equal a
+    replicated reference, all-gather / reduce-scatter / all-reduce counts per step by torch's formula,
+    sharded parity of parameters and accumulated gradients
+- gradient_accumulation_all_reshard_2 (N=4) <- test_fully_shard_training.py::TestFullyShardGradientAccumulation.test_gradient_accumulation
+    3 microbatches with gradient sync off but the last (mode all, raf 2, rab True): losses equal a
+    replicated reference, all-gather / reduce-scatter / all-reduce counts per step by torch's formula,
+    sharded parity of parameters and accumulated gradients
+- gradient_accumulation_root_only_reshard_True (N=2) <- test_fully_shard_training.py::TestFullyShardGradientAccumulation.test_gradient_accumulation
+    3 microbatches with gradient sync off but the last (mode root_only, raf True, rab True): losses
+    equal a replicated reference, all-gather / reduce-scatter / all-reduce counts per step by torch's
+    formula, sharded parity of parameters and accumulated gradients
+- gradient_accumulation_root_only_no_reshard (N=2) <- test_fully_shard_training.py::TestFullyShardGradientAccumulation.test_gradient_accumulation
+    3 microbatches with gradient sync off but the last (mode root_only, raf False, rab False): losses
+    equal a replicated reference, all-gather / reduce-scatter / all-reduce counts per step by torch's
+    formula, sharded parity of parameters and accumulated gradients
+- gradient_accumulation_some_mlps (N=2) <- test_fully_shard_training.py::TestFullyShardGradientAccumulation.test_gradient_accumulation
+    3 microbatches with gradient sync off but the last (mode some_mlps, raf True, rab True): losses
+    equal a replicated reference, all-gather / reduce-scatter / all-reduce counts per step by torch's
+    formula, sharded parity of parameters and accumulated gradients
+- gradient_accumulation_some_mlps_reshard_2 (N=4) <- test_fully_shard_training.py::TestFullyShardGradientAccumulation.test_gradient_accumulation
+    3 microbatches with gradient sync off but the last (mode some_mlps, raf 2, rab True): losses equal a
+    replicated reference, all-gather / reduce-scatter / all-reduce counts per step by torch's formula,
+    sharded parity of parameters and accumulated gradients
+- gradient_accumulation_cpu_offload (N=2) <- test_fully_shard_training.py::TestFullyShardGradientAccumulation.test_gradient_accumulation
+    3 microbatches with gradient sync off but the last (mode all, raf True, rab True, CPU offload):
+    losses equal a replicated reference, all-gather / reduce-scatter / all-reduce counts per step by
+    torch's formula, sharded parity of parameters and accumulated gradients
+- gradient_accumulation_hsdp_all (N=4) <- test_fully_shard_training.py::TestFullyShardGradientAccumulation.test_gradient_accumulation
+    3 microbatches with gradient sync off but the last (mode all, raf True, rab True, HSDP 2x2): losses
+    equal a replicated reference, all-gather / reduce-scatter / all-reduce counts per step by torch's
+    formula, sharded parity of parameters and accumulated gradients
+- gradient_accumulation_hsdp_reduce_scatter_only (N=4) <- test_fully_shard_training.py::TestFullyShardGradientAccumulation.test_gradient_accumulation
+    3 microbatches with gradient sync off but the last (mode all, raf True, rab True, HSDP 2x2,
+    set_requires_all_reduce): losses equal a replicated reference, all-gather / reduce-scatter /
+    all-reduce counts per step by torch's formula, sharded parity of parameters and accumulated
+    gradients
+- gradient_accumulation_hsdp_root_only_no_reshard (N=4) <- test_fully_shard_training.py::TestFullyShardGradientAccumulation.test_gradient_accumulation
+    3 microbatches with gradient sync off but the last (mode root_only, raf False, rab False, HSDP 2x2):
+    losses equal a replicated reference, all-gather / reduce-scatter / all-reduce counts per step by
+    torch's formula, sharded parity of parameters and accumulated gradients
+- 1f1b_microbatching_unshard_False_reshard_after_backward_False (N=2) <- test_fully_shard_training.py::TestFullyShardGradientAccumulation.test_1f1b_microbatching
+    1F1B-style microbatches (set_requires_gradient_sync/set_is_last_backward on the last,
+    set_reshard_after_backward on the last): losses and the stepped shards equal a replicated reference
+- 1f1b_microbatching_unshard_False_reshard_after_backward_True (N=2) <- test_fully_shard_training.py::TestFullyShardGradientAccumulation.test_1f1b_microbatching
+    1F1B-style microbatches (set_requires_gradient_sync/set_is_last_backward on the last,
+    set_reshard_after_backward default): losses and the stepped shards equal a replicated reference
+- 1f1b_microbatching_unshard_True_reshard_after_backward_False (N=2) <- test_fully_shard_training.py::TestFullyShardGradientAccumulation.test_1f1b_microbatching
+    1F1B-style microbatches (set_requires_gradient_sync/set_is_last_backward on the last,
+    unshard(async_op=True) up front, set_reshard_after_backward on the last): losses and the stepped
+    shards equal a replicated reference
+- 1f1b_microbatching_unshard_True_reshard_after_backward_True (N=2) <- test_fully_shard_training.py::TestFullyShardGradientAccumulation.test_1f1b_microbatching
+    1F1B-style microbatches (set_requires_gradient_sync/set_is_last_backward on the last,
+    unshard(async_op=True) up front, set_reshard_after_backward default): losses and the stepped shards
+    equal a replicated reference
+- hsdp_parity_dim3_reshard_False_sync_last_True (N=4) <- test_fully_shard_training.py::TestFullyShardHSDPTraining.test_train_parity_hsdp
+    HSDP on a (2, 2) mesh with CPUOffloadPolicy: placements (Replicate(), Shard(0)), 3 microbatches
+    (sync on the last only), losses equal DDP's and sharded parity before and after each step
+- hsdp_parity_dim16_reshard_True_sync_last_False (N=4) <- test_fully_shard_training.py::TestFullyShardHSDPTraining.test_train_parity_hsdp
+    HSDP on a (2, 2) mesh with CPUOffloadPolicy: placements (Replicate(), Shard(0)), 3 microbatches
+    (sync every one), losses equal DDP's and sharded parity before and after each step
+- hsdp_parity_dim17_reshard_True_sync_last_True (N=4) <- test_fully_shard_training.py::TestFullyShardHSDPTraining.test_train_parity_hsdp
+    HSDP on a (2, 2) mesh with CPUOffloadPolicy: placements (Replicate(), Shard(0)), 3 microbatches
+    (sync on the last only), losses equal DDP's and sharded parity before and after each step
+- hsdp_parity_dim17_reshard_False_sync_last_False (N=4) <- test_fully_shard_training.py::TestFullyShardHSDPTraining.test_train_parity_hsdp
+    HSDP on a (2, 2) mesh with CPUOffloadPolicy: placements (Replicate(), Shard(0)), 3 microbatches
+    (sync every one), losses equal DDP's and sharded parity before and after each step
+- register_fsdp_forward_method (N=2) <- test_fully_shard_training.py::TestFullyShardCustomForwardMethod.test_register_fsdp_forward_method
+    the parent calls vit.forward_features (not forward), registered with register_fsdp_forward_method:
+    loss equals the unsharded model's, gradients equal its all-reduced ones
+- ignored_params_ddp_fsdp_ddp (N=2) <- test_fully_shard_ignore_params.py::TestFullyShardIgnoreParams.test_ddp_A_fsdp_B_ddp_C
+    fully_shard on module_b and lin_b with module_c's parameters ignored, DDP over the whole (ignoring
+    FSDP's): FSDP modules {module_b, module_b.lin_b}, module_c plain tensors, loss and full parameters
+    equal a DDP model's for 3 Adam steps
+- ignored_params_stay_local (N=2) <- test_fully_shard_init.py::TestFullyShardDeviceTensor.test_move_states_to_device_ignored_param_device (the ignored-parameter half)
+    ignored_params (out_proj): those stay plain nn.Parameters with each rank's own gradient, the rest
+    are DTensors with the all-reduced gradient's shards
+- replicate_inside_fully_shard (N=2) <- test_fully_shard_init.py::TestFullyShardManagedModulesAndStates.test_managed_modules_nested_fully_shard_and_replicate, trained as test_fully_shard_training.py's parity
+    replicate(model[0]) and fully_shard(model[2]) under fully_shard(model): the root's all-gather
+    carries model[1]'s parameters only, model[0]'s stay plain tensors (replicate all-reduces them), and
+    the loss and every parameter equal DDP's for 3 Adam steps
+- non_persistent_buffers (N=2) <- derived from test_fully_shard_training.py (train parity) and test_fully_shard_state_dict.py
+    a persistent and a non-persistent buffer: both stay plain tensors, state_dict() keeps the persistent
+    one only (a plain tensor), the loss equals DDP's for 3 steps
+- double_forward_nested_reshard_True (N=2) <- test_fully_shard_training.py::TestFullyShard1DTrainingCompose.test_double_forward_with_nested_fsdp_and_checkpoint (without checkpointing)
+    nested fully_shard (attention, feed-forward, block, root), two forwards then one backward of a
+    DPO-style loss: every parameter gets a gradient, its shard equals the replicated model's all-reduced
+    one (rtol 1e-5, atol 1e-4: a squared difference of sums)
+- double_forward_nested_reshard_False (N=2) <- test_fully_shard_training.py::TestFullyShard1DTrainingCompose.test_double_forward_with_nested_fsdp_and_checkpoint (without checkpointing)
+    nested fully_shard (attention, feed-forward, block, root), two forwards then one backward of a
+    DPO-style loss: every parameter gets a gradient, its shard equals the replicated model's all-reduced
+    one (rtol 1e-5, atol 1e-4: a squared difference of sums)
+- double_partial_forward_then_backward (N=2) <- test_fully_shard_training.py::TestFullyShard1DTrainingCompose.test_double_partial_forward_then_backward
+    two forwards that skip the head of a grouped fully_shard([norm, head]) before one backward: embed
+    and norm get finite gradients, head none
+- partial_group_standalone_reshard_True_tied_False_none (N=2) <- test_fully_shard_training.py::TestFullyShard1DTrainingCompose.test_partial_group_forward_then_standalone
+    the forward skips head (grouped with norm), then head runs alone per chunk: each chunk adds to
+    head's gradient, output dtype per policy, loss, head gradient and shards equal a replicated
+    reference
+- partial_group_standalone_reshard_False_tied_True_none (N=2) <- test_fully_shard_training.py::TestFullyShard1DTrainingCompose.test_partial_group_forward_then_standalone
+    the forward skips head (grouped with norm), then head runs alone per chunk: each chunk adds to
+    head's gradient, output dtype per policy, loss, head gradient and shards equal a replicated
+    reference
+- partial_group_standalone_reshard_True_tied_False_bf16_inner_only (N=2) <- test_fully_shard_training.py::TestFullyShard1DTrainingCompose.test_partial_group_forward_then_standalone
+    the forward skips head (grouped with norm), then head runs alone per chunk: each chunk adds to
+    head's gradient, output dtype per policy
+- partial_group_grad_accum_chunked_reshard_True (N=2) <- test_fully_shard_training.py::TestFullyShard1DTrainingCompose.test_partial_group_forward_grad_accum_chunked
+    chunked head and 3 microbatches with set_requires_gradient_sync/set_is_last_backward: grouped
+    fully_shard([norm, head]) accumulates the same gradient shards as separate calls
+- partial_group_grad_accum_chunked_reshard_False (N=2) <- test_fully_shard_training.py::TestFullyShard1DTrainingCompose.test_partial_group_forward_grad_accum_chunked
+    chunked head and 3 microbatches with set_requires_gradient_sync/set_is_last_backward: grouped
+    fully_shard([norm, head]) accumulates the same gradient shards as separate calls
+- partial_group_reshard_toggle_tied_False_initial_False (N=2) <- test_fully_shard_training.py::TestFullyShard1DTrainingCompose.test_partial_group_reshard_toggle
+    set_reshard_after_forward/backward(False) on head for a chunk loop, then True and head.reshard():
+    head stays unsharded (a plain tensor) through the loop, a DTensor after reshard(), every parameter
+    gets a gradient
+- partial_group_reshard_toggle_tied_True_initial_True (N=2) <- test_fully_shard_training.py::TestFullyShard1DTrainingCompose.test_partial_group_reshard_toggle
+    set_reshard_after_forward/backward(False) on head for a chunk loop, then True and head.reshard():
+    head stays unsharded (a plain tensor) through the loop, a DTensor after reshard(), every parameter
+    gets a gradient
+- activation_checkpointing_reshard_True (N=2) <- test_fully_shard_training.py::TestFullyShard1DTrainingCompose.test_train_parity_with_activation_checkpointing (utils, block grouping)
+    blocks under torch.utils.checkpoint, tied output: loss and sharded parity with DDP every step
+- activation_checkpointing_reshard_False (N=2) <- test_fully_shard_training.py::TestFullyShard1DTrainingCompose.test_train_parity_with_activation_checkpointing (utils, block grouping)
+    blocks under torch.utils.checkpoint, tied output: loss and sharded parity with DDP every step
 """
 
 import copy
@@ -77,7 +263,7 @@ def single_group(s, lin_shapes):
 for shapes in ([(16, 15), (15, 8)], [(7, 15), (15, 3)], [(16, 17), (17, 8)]):
     SC.add(f"single_group_{shapes[0][0]}_{shapes[0][1]}_{shapes[1][1]}", 2,
            SRC + "TestFullyShard1DTrainingCore.test_train_parity_single_group_shard_dim0",
-           "one fully_shard on the root: each rank's loss equals DDP's for 10 Adam steps", single_group,
+           "one fully_shard on the root: each rank's loss equals DDP's every Adam step (3)", single_group,
            lin_shapes=shapes)
 
 
@@ -419,7 +605,7 @@ for raf in (True, False):
     SC.add(f"shared_params_uneven_shard_reshard_{raf}", 4,
            SRC + "TestFullyShardSharedParams.test_train_shared_params_uneven_shard",
            "tied embedding/output of 17 rows in one grouped fully_shard([a, b]) on 4 ranks: unshard() registers "
-           "the full weight, every row changes in 10 AdamW steps", shared_params_uneven, reshard_after_forward=raf)
+           "the full weight, every row changes in 3 AdamW steps", shared_params_uneven, reshard_after_forward=raf)
 
 
 @SC.register("shared_params_separate_groups_error", 2,
@@ -824,6 +1010,47 @@ def ignored_params_stay_local(s):
         s.check.close(p.grad.to_local(), expected_local(r.grad, p), f"{name} gradient shard")
 
 
+@SC.register("replicate_inside_fully_shard", 2, "test_fully_shard_init.py::TestFullyShardManagedModulesAndStates."
+             "test_managed_modules_nested_fully_shard_and_replicate, trained as test_fully_shard_training.py's parity",
+             "replicate(model[0]) and fully_shard(model[2]) under fully_shard(model): the root's all-gather carries "
+             "model[1]'s parameters only, model[0]'s stay plain tensors (replicate all-reduces them), and the loss "
+             "and every parameter equal DDP's for 3 Adam steps")
+def replicate_inside_fully_shard(s):
+    import math
+
+    from torch.distributed._composable import replicate
+
+    from fsdp2_scenarios import CommSpy
+
+    torch.manual_seed(42)
+    model = nn.Sequential(*[MLP(8) for _ in range(3)])
+    ref = ddp(copy.deepcopy(model))
+    ref_optim = _adam(ref)
+    replicate(model[0])
+    s.fully_shard(model[2])
+    s.fully_shard(model)
+    optim = _adam(model)
+    s.check.true(all(not is_dtensor(p) for p in model[0].parameters()), "a replicated parameter became a DTensor")
+    s.check.true(all(is_dtensor(p) for m in model[1:] for p in m.parameters()), "a sharded parameter is plain")
+    n = s.world_size
+    padded = sum(math.ceil(p.shape[0] / n) * math.prod(p.shape[1:]) * n for p in model[1].parameters())
+    torch.manual_seed(42 + s.rank + 1)
+    for it in range(ITERATIONS):
+        inp = torch.randn(4, 8)
+        losses = []
+        for m, o in ((ref, ref_optim), (model, optim)):
+            o.zero_grad(set_to_none=it % 2 == 0)
+            with CommSpy() as spy:
+                losses.append(m(inp).sum())
+            if m is model:
+                s.check.equal([e.numel for e in spy.of("AG")][:1], [padded], "the root's all-gather: model[1] only")
+            losses[-1].backward()
+            o.step()
+        s.check.close(losses[1], losses[0], f"iteration {it} loss")
+        for (name, r), (_, p) in zip(ref.module.named_parameters(), model.named_parameters()):
+            s.check.close(p.full_tensor() if is_dtensor(p) else p, r, f"iteration {it}: {name}")
+
+
 class WithBuffers(nn.Module):
     def __init__(self):
         super().__init__()
@@ -838,7 +1065,7 @@ class WithBuffers(nn.Module):
 @SC.register("non_persistent_buffers", 2, "derived from test_fully_shard_training.py (train parity) and "
              "test_fully_shard_state_dict.py",
              "a persistent and a non-persistent buffer: both stay plain tensors, state_dict() keeps the persistent "
-             "one only (a plain tensor), the loss equals DDP's for 5 steps")
+             "one only (a plain tensor), the loss equals DDP's for 3 steps")
 def non_persistent_buffers(s):
     torch.manual_seed(42)
     model = WithBuffers()
@@ -1116,9 +1343,11 @@ for raf in (True, False):
            activation_checkpointing, reshard_after_forward=raf)
 
 
-__doc__ += "\n" + SC.table() + "\n"
-
 OUT = Outcomes(SC, timeout=240)
+
+
+def test_the_docstring_table_lists_every_scenario():
+    assert SC.missing_from(__doc__) == []
 
 
 @pytest.mark.distributed
