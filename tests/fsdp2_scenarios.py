@@ -222,8 +222,8 @@ class Scenarios:
     def missing_from(self, doc):
         """The scenarios whose table row (as table() writes it) the docstring lacks or states otherwise."""
         flat = " ".join(doc.split())
-        return [row.split(" (N=")[0][2:] for row in self.table().split("\n- ")
-                if " ".join(("- " + row if not row.startswith("- ") else row).split()) not in flat]
+        rows = [row if row.startswith("- ") else "- " + row for row in self.table().split("\n- ")]
+        return [row[2:].split(" (N=")[0] for row in rows if " ".join(row.split()) not in flat]
 
 
 def run_scenarios(rank, world_size, system, scenarios):
