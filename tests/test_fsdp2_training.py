@@ -63,6 +63,10 @@ Scenarios (name, world size N, <- the PyTorch test it ports; then what it assert
 - root_forward_tuple_input (N=2) <- test_fully_shard_training.py::TestFullyShardForwardInputs.test_root_move_forward_input_to_device
     a parameter-less root given a tensor and a tuple of tensors: its output is x + ys[0] + ys[1] + 1 on
     CPU
+- unshard_async_handle_and_reshard (N=2) <- derived from test_fully_shard_training.py::TestFullyShardRegisteredParams and TestFullyShardGradientAccumulation.test_1f1b_microbatching (explicit unshard)
+    unshard(async_op=True) returns a handle whose wait() leaves the full parameters registered (plain
+    tensors equal to full_tensor()); unshard() returns None; reshard() registers the DTensors again; the
+    next forward/backward equals the unsharded model's
 - shared_params_reshard_False (N=2) <- test_fully_shard_training.py::TestFullyShardSharedParams.test_train_parity_with_shared_params
     output tied to the token embedding (in the root): the loss equals DDP's every step
 - shared_params_reshard_True (N=2) <- test_fully_shard_training.py::TestFullyShardSharedParams.test_train_parity_with_shared_params
@@ -542,6 +546,38 @@ def root_forward_tuple_input(s):
     out = model(x, ys)
     s.check.close(out, x + (ys[0] + ys[1]) + 1, "output")
     s.check.equal(out.device.type, "cpu", "output device")
+
+
+@SC.register("unshard_async_handle_and_reshard", 2, "derived from " + SRC + "TestFullyShardRegisteredParams and "
+             "TestFullyShardGradientAccumulation.test_1f1b_microbatching (explicit unshard)",
+             "unshard(async_op=True) returns a handle whose wait() leaves the full parameters registered (plain "
+             "tensors equal to full_tensor()); unshard() returns None; reshard() registers the DTensors again; the "
+             "next forward/backward equals the unsharded model's")
+def unshard_async_handle_and_reshard(s):
+    torch.manual_seed(42)
+    model = Transformer(n_layers=2)
+    ref = copy.deepcopy(model)
+    shard_blocks(s, model)
+    block = model.layers[0]
+    full = {n: p.full_tensor() for n, p in block.named_parameters()}
+    handle = block.unshard(async_op=True)
+    s.check.true(handle is not None and hasattr(handle, "wait"), f"unshard(async_op=True) returned {handle!r}")
+    handle.wait()
+    for name, p in block.named_parameters():
+        s.check.true(not is_dtensor(p), f"{name} still a DTensor after wait()")
+        s.check.equal(p.detach(), full[name], f"{name}: the unsharded value")
+    block.reshard()
+    _all_dtensor(s, block.parameters(), True, "after reshard()")
+    s.check.true(model.layers[1].unshard() is None, "unshard() without async_op returned a handle")
+    _all_dtensor(s, model.layers[1].parameters(), False, "after unshard()")
+    model.layers[1].reshard()
+    inp = tokens(model, 2, seed=s.rank)
+    loss, ref_loss = model(inp).sum(), ref(inp).sum()
+    s.check.close(loss, ref_loss, "loss after the manual unshard/reshard")
+    loss.backward()
+    ref_loss.backward()
+    all_reduce_grads(ref)
+    sharded_parity(s, ref, model, "after backward")
 
 
 # ---- shared (tied) parameters
