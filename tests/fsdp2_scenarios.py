@@ -161,9 +161,6 @@ class Run:
     def register_fsdp_forward_method(self):
         return self.api.register_fsdp_forward_method
 
-    def fsdp_modules(self, model):
-        return [m for m in model.modules() if isinstance(m, self.FSDPModule)]
-
 
 @dataclasses.dataclass(frozen=True)
 class Scenario:
@@ -238,7 +235,7 @@ def run_scenarios(rank, world_size, system, scenarios):
             sc.body(Run(system, rank, world_size, check), **dict(sc.params))
             failures = check.failures or (None if check.count else ["the scenario asserted nothing"])
         except Exception:  # the scenario's outcome: its traceback, with the checks failed before it
-            failures = check.failures + [traceback.format_exc(limit=12)[-4000:]]
+            failures = check.failures + [traceback.format_exc(limit=-14)[-4000:]]
         out[sc.name] = (failures, time.perf_counter() - start, time.process_time() - cpu)
         dist.barrier()
     return out
@@ -249,20 +246,18 @@ class Outcomes:
 
     def __init__(self, scenarios, timeout):
         self.scenarios, self.timeout = scenarios, timeout
-        self._cache, self.seconds = {}, {}
+        self._cache = {}
 
     def launch(self, system, world_size):
         key = (system, world_size)
         if key not in self._cache:
             todo = self.scenarios.at(world_size, system)
-            start = time.perf_counter()
             from conftest import run_ranks  # here, not at import: the ranks import the topic modules, not pytest's
 
             try:
                 self._cache[key] = ("ok", run_ranks(run_scenarios, world_size, system, todo, timeout=self.timeout))
             except Exception as exc:  # a launch that failed (a timeout) fails each of its tests with its reason
                 self._cache[key] = ("launch failed", f"{type(exc).__name__}: {exc}")
-            self.seconds[key] = time.perf_counter() - start
         return self._cache[key]
 
     def failures(self, system, name, world_size):
@@ -339,12 +334,6 @@ def is_dtensor(t):
     from torch.distributed.tensor import DTensor
 
     return isinstance(t, DTensor)
-
-
-def mean_over_ranks(t):
-    t = t.detach().clone().float()
-    dist.all_reduce(t)
-    return t / dist.get_world_size()
 
 
 # ---- collectives: counts (CommDebugMode) and a spy on torch.distributed's calls
@@ -565,6 +554,6 @@ def train_parity(s, ref, ref_optim, model, optim, inputs, *, iterations=ITERATIO
 
 
 __all__ = ["SYSTEMS", "Api", "Checks", "Run", "Scenario", "Scenarios", "run_scenarios", "Outcomes", "expected_local",
-           "sharded_parity", "all_reduce_grads", "ddp", "broadcast_module", "is_dtensor", "mean_over_ranks",
+           "sharded_parity", "all_reduce_grads", "ddp", "broadcast_module", "is_dtensor",
            "comm_counts", "CommSpy", "comm_names", "MLP", "DoubleLinear", "Transformer", "Block", "FeedForward",
            "tokens", "shard_blocks", "train_parity", "ITERATIONS"]
