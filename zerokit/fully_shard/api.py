@@ -19,6 +19,7 @@ import warnings
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed._composable.contract import _get_registry
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
@@ -68,13 +69,20 @@ def _post_forward_mesh(value, mesh):
     return _NODE_MESHES[key]
 
 
+def _replicated(module):
+    """torch's composable replicate() was applied to `module`: its parameters are DDP's, not ours (read from
+    the registry torch's composable APIs keep; FSDP2 asks the same)."""
+    return "replicate" in (_get_registry(module) or {})
+
+
 def _managed_modules(modules):
     """The modules whose own parameters this call takes: `modules` and everything inside them, except
-    what an earlier fully_shard call took (a module with a state of its own and everything inside it)."""
+    what an earlier fully_shard call took (a module with a state of its own and everything inside it)
+    and what torch's replicate() took."""
     found, seen, roots = [], set(), set(modules)
 
     def visit(module):
-        if module not in roots and state_of(module) is not None:
+        if _replicated(module) or (module not in roots and state_of(module) is not None):
             return
         seen.add(module)
         for child in module.children():
