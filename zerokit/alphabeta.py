@@ -33,13 +33,18 @@ The quantisation's own time: a kernel that quantises or dequantises reads and wr
 device's memory at its bandwidth (HBM), and that time sits on the step's critical path beside
 the bytes it saves on the wire (`quantize_time`).
 
-The figures (`PRESETS`), per GPU and per direction, with their sources:
+The figures (`PRESETS`), per GPU and per direction:
 
-| | NVLink $\beta_\text{in}$ | NICs per node $\times\ \beta_\text{nic}$ | HBM | bf16 dense |
+| | NVLink $\beta_\text{in}$ | NICs per node x $\beta_\text{nic}$ | HBM | bf16 dense |
 |---|---|---|---|---|
-| DGX H100 | 450 GB/s (NVLink 4: 18 links x 25 GB/s; H100 datasheet, 900 GB/s both ways) | 8 x 50 GB/s (ConnectX-7, NDR InfiniBand 400 Gb/s; DGX H100 user guide: one per GPU, rails) | 3.35 TB/s | 989 TFLOP/s |
-| DGX A100 | 300 GB/s (NVLink 3: 12 links x 25 GB/s; A100 datasheet, 600 GB/s both ways) | 8 x 25 GB/s (ConnectX-6, HDR InfiniBand 200 Gb/s; DGX A100 user guide: rails) | 2.0 TB/s | 312 TFLOP/s |
-| one NIC per node | 300 GB/s (as DGX A100) | 1 x 25 GB/s (HDR 200 Gb/s; a cluster without rails) | 2.0 TB/s | 312 TFLOP/s |
+| DGX H100 | 450 GB/s | 8 x 50 GB/s (rails) | 3.35 TB/s | 989 TFLOP/s |
+| DGX A100 | 300 GB/s | 8 x 25 GB/s (rails) | 2.0 TB/s | 312 TFLOP/s |
+| A100 nodes, one NIC each | 300 GB/s | 1 x 25 GB/s | 2.0 TB/s | 312 TFLOP/s |
+
+Their sources: NVLink 4 is 18 links of 25 GB/s each way (the H100 datasheet's 900 GB/s counts
+both ways), NVLink 3 twelve (A100: 600 GB/s both ways); NDR InfiniBand is 400 Gb/s = 50 GB/s
+(ConnectX-7), HDR 200 Gb/s = 25 GB/s (ConnectX-6); DGX H100 and DGX A100 give each of their 8
+GPUs a compute NIC of its own (their user guides); HBM and bf16 peaks are the SXM datasheets'.
 
 Latencies are NCCL's own tuning model (src/graph/tuning.cc, ring algorithm, Simple protocol,
 what NCCL picks for large messages): $t_0$ = 8.4 µs per collective, then 3.4 µs for each step
@@ -47,7 +52,6 @@ of the ring inside a node and 14 µs for each step that crosses nodes ($m - 1$ o
 $p - 1$ steps; all of them on a group of one GPU per node).
 """
 
-import math
 from dataclasses import dataclass, replace
 
 __all__ = ["Link", "Cluster", "Cost", "PRESETS", "SCHEMES", "collective_time", "quantize_time", "scheme_collectives",
