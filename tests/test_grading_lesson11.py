@@ -13,6 +13,7 @@ fail the checks listed beside it, with a message that names it, and pass the oth
 | a synchronous gather that sets _full itself (example) | hpZ traffic | "recorded no transfer" |
 | no guard for a bucket full or on its way, the entry left (example) | hpZ traffic | "while bucket" |
 | the secondary shards gathered on the whole group (example) | hpZ traffic | "gather it on the node's group" |
+| the secondary shards gathered again in the next forward (example) | hpZ traffic | "inside a node" |
 | the unit kept whole after forward, beside its secondary (example) | hpZ memory | "whole gathered copy" |
 | the secondary shard never dropped (example) | hpZ memory | "still held after backward" |
 | no secondary shard stored (example) | hpZ memory | "No secondary shard is kept" |

@@ -100,6 +100,28 @@ HPZ_NO_GUARD = solution_with(
 HPZ_WHOLE_GROUP = solution_with("        work = all_gather(full, secondary, group=node, async_op=True)",
                                 "        work = all_gather(full, secondary, group=self.group, async_op=True)  # BUG")
 
+# The secondary shards kept for the next step too ("why gather across nodes in forward when the node still
+# has the pieces?"): the next forward gathers last step's weights, from before the optimizer's step, inside
+# the node.
+HPZ_REUSES_SECONDARY = method_replaced("_start_gather", '''
+    def _start_gather(self, bi):
+        """Start bucket bi's all-gather: from the secondary shards inside the node if this rank
+        keeps one, else as ZeRO-3 does."""
+        if self._full[bi] is not None or bi in self._gathering:
+            return super()._start_gather(bi)
+        entry = self._secondary[bi]
+        if entry is None:
+            entry = getattr(self, "_reused", {}).get(bi)  # BUG: last step's pieces, kept for the next forward
+            if entry is None:
+                return super()._start_gather(bi)
+        self._secondary[bi] = None
+        self.__dict__.setdefault("_reused", {})[bi] = entry
+        secondary, node = entry
+        full = self._gather_buffer(bi, secondary)
+        work = all_gather(full, secondary, group=node, async_op=True)
+        self._gathering[bi] = (work, full, secondary)
+''')
+
 # ---- exercise 2, the quantiser
 
 # Every block gets the scale of the whole tensor: the right count and bytes, the error of one scale.
@@ -191,6 +213,8 @@ STUDENTS = [
              ["test_hpz_traffic"], "while bucket", "hpz_class", HPZ_NO_GUARD),
     _student("hpz_gathers_on_whole_group", "the secondary shards gathered on every rank, not the node",
              ["test_hpz_traffic"], "gather it on the node's group", "hpz_class", HPZ_WHOLE_GROUP),
+    _student("hpz_reuses_secondary", "the secondary shards kept and gathered again in the next step's forward",
+             ["test_hpz_traffic"], "inside a node", "hpz_class", HPZ_REUSES_SECONDARY),
     _student("qwz_scale_per_tensor", "every block quantised with the scale of the whole tensor",
              ["test_quantize", "test_qwz_training"], "scale per tensor, not per block", "quantize", QWZ_PER_TENSOR),
     _student("dequantize_ignores_out", "dequantize_blocks returns a new tensor and leaves out= unwritten",
