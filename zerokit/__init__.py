@@ -18,6 +18,7 @@ The course, one module per idea, in lesson order (each a small step from the las
     offload          08  the optimizer state in memory-mapped files or pinned host memory
     muon             09  ZeRO1Muon: each matrix owned whole by one rank
     zeropp           11  ZeRO++ (hpZ: reshard's machinery; qwZ: int8 blocks on the wire) and hybrid sharding
+    alphabeta        11  the α-β time model: collectives on NVLink and NICs (rails or not), the schemes in seconds
 
 The instruments every lesson measures with: comm (collectives counted, theoretical
 volumes), memory (theory and census of model-state bytes), models (the model zoo),

@@ -3,6 +3,7 @@ r"""Interactive figures for the lessons, drawn from the same functions the check
     memory_calculator()          model-state bytes per rank: Ψ, N, stage, precision, device
     shard_map(sizes, N)          the flat buffer, its padding, and which rank owns what
     step_timeline(traces)        one real training step per configuration: the collectives in order, by phase
+    link_time_explorer()         lesson 11: each scheme's communication per step against the bandwidth between nodes
     progress(iterable, desc)     a progress bar (a widget in JupyterLab, text in a terminal)
 
 The numbers are never computed here: the calculator shows `zerokit.theory_bytes`, the shard
@@ -29,7 +30,7 @@ from .flat import shard_range as reference_shard_range
 from .memory import STAGES, theory_bytes
 
 __all__ = ["memory_calculator", "shard_map", "step_timeline", "progress", "memory_figure", "shard_figure",
-           "timeline_figure", "PRESETS"]
+           "timeline_figure", "PRESETS", "link_time_explorer", "link_time_figure"]
 
 _CATEGORIES = (("parameters", "weights", "#4e79a7"), ("gradients", "gradients", "#f28e2b"),
                ("optimizer_states", "optimizer state", "#59a14f"))
@@ -320,3 +321,101 @@ def step_timeline(traces):
     pictures = "".join(_static(png, html.escape(label)) for png, label in zip(pngs, labels))
     return _Shown(tabs, pictures)
 
+
+
+# ---------------------------------------------------------------------------------------
+# lesson 11: time against the bandwidth between nodes (zerokit.alphabeta)
+
+_SCHEME_COLORS = {"ZeRO-3": "#4e79a7", "hpZ": "#f28e2b", "qwZ": "#59a14f", "qwZ + hpZ": "#e15759",
+                  "hybrid sharding": "#76b7b2", "ZeRO++ (qwZ + hpZ + qgZ)": "#b07aa1"}
+NIC_GBS = [1, 1.5, 2, 3, 5, 7, 10, 12.5, 15, 20, 25, 30, 40, 50, 70, 100, 200, 400]  # per NIC, one direction
+
+
+def _link_times(cluster, psi, units, block):
+    from .alphabeta import SCHEMES, step_time
+
+    return {s: step_time(s, psi, cluster, units=units, block=block)["total"].total for s in SCHEMES}
+
+
+def link_time_figure(cluster, psi=7.5e9, units=32, block=32, tokens_per_gpu=2048, mfu=0.4):
+    """Each scheme's communication per step (zerokit.alphabeta.step_time: no overlap, the
+    quantisation kernels included) against the bandwidth of one NIC, the rest of `cluster` as
+    it is; the cluster's own NIC marked, and the compute of a step as a dashed line."""
+    from .alphabeta import GB, SCHEMES, compute_time
+
+    fig = Figure(figsize=(8, 3.8))
+    ax = fig.subplots()
+    curves = {s: [] for s in SCHEMES}
+    for gbs in NIC_GBS:
+        for s, t in _link_times(cluster.with_(nic_bandwidth=gbs * GB), psi, units, block).items():
+            curves[s].append(t)
+    here = _link_times(cluster, psi, units, block)
+    for s in SCHEMES:
+        ax.loglog(NIC_GBS, curves[s], "-", color=_SCHEME_COLORS[s], label=s, lw=1.6)
+        ax.plot([cluster.nic.bandwidth / GB], [here[s]], "o", color=_SCHEME_COLORS[s], ms=5)
+    ax.axvline(cluster.nic.bandwidth / GB, color="0.6", lw=0.8, ls=":")
+    compute = compute_time(cluster, psi, tokens_per_gpu, mfu)
+    ax.axhline(compute, color="k", ls="--", lw=1)
+    ax.text(NIC_GBS[0], compute, f" compute: {tokens_per_gpu} tokens per GPU at {mfu:.0%} MFU", va="bottom",
+            fontsize=8)
+    ax.set_xlabel("bandwidth of one NIC, GB/s per direction (dotted: this cluster's)")
+    ax.set_ylabel("communication per step, s")
+    rails = "rails: one NIC per GPU" if cluster.rails else f"{cluster.nics} NIC(s) per node of {cluster.gpus_per_node}"
+    ax.set_title(f"Ψ = {psi:.3g}, {cluster.nodes} x {cluster.gpus_per_node} GPUs, {rails}, "
+                 f"NVLink {cluster.nvlink.bandwidth / GB:g} GB/s", fontsize=9)
+    ax.legend(frameon=False, fontsize=7, loc="upper right")
+    fig.tight_layout()
+    return fig
+
+
+def _link_summary(cluster, psi, units, block):
+    from .alphabeta import GB
+
+    times = sorted(_link_times(cluster, psi, units, block).items(), key=lambda kv: kv[1])
+    rows = "".join(f'<tr><td>{html.escape(s)}</td><td class="zerokit-link-time" data-scheme="{html.escape(s)}" '
+                   f'data-seconds="{t:.9g}">{t * 1e3:.4g} ms</td></tr>' for s, t in times)
+    return (f"<div>at {cluster.nic.bandwidth / GB:g} GB/s per NIC, {cluster.nics} NIC(s) per node: communication "
+            f"per step, fastest first</div><table>{rows}</table>")
+
+
+def link_time_explorer(psi=7.5e9, preset=None, units=32, block=32, tokens_per_gpu=2048):
+    """The α-β model of lesson 11 (zerokit.alphabeta): every scheme's communication per step
+    against the bandwidth between nodes, on a preset cluster whose NICs, nodes and NIC
+    bandwidth the controls change."""
+    import ipywidgets as w
+
+    from .alphabeta import GB, PRESETS as CLUSTERS
+
+    preset = preset or next(iter(CLUSTERS))
+    base = CLUSTERS[preset]
+    preset_w = w.Dropdown(options=list(CLUSTERS), value=preset, description="cluster",
+                          layout=w.Layout(width="520px"))
+    nics_w = w.ToggleButtons(options=[1, 2, 4, 8], value=base.nics, description="NICs/node")
+    gbs_w = w.SelectionSlider(options=NIC_GBS, value=base.nic.bandwidth / GB, description="GB/s per NIC")
+    nodes_w = w.IntSlider(value=base.nodes, min=2, max=64, description="nodes", continuous_update=False)
+    psi_w = w.SelectionSlider(options=[(_psi_label(v), v) for v in sorted(set(PSI_STEPS) | {psi})], value=psi,
+                              description="Ψ")
+
+    def cluster():
+        return CLUSTERS[preset_w.value].with_(nics=nics_w.value, nic_bandwidth=gbs_w.value * GB,
+                                              nodes=nodes_w.value)
+
+    image = _image_widget(_png(link_time_figure(cluster(), psi_w.value, units, block, tokens_per_gpu)))
+    summary = w.HTML(_link_summary(cluster(), psi_w.value, units, block))
+    first = (image.value, summary.value)
+
+    def redraw(_=None):
+        image.value = _png(link_time_figure(cluster(), psi_w.value, units, block, tokens_per_gpu))
+        summary.value = _link_summary(cluster(), psi_w.value, units, block)
+
+    def choose(change):
+        c = CLUSTERS[change["new"]]
+        nics_w.value, gbs_w.value, nodes_w.value = c.nics, c.nic.bandwidth / GB, c.nodes
+        redraw()
+
+    preset_w.observe(choose, names="value")
+    for control in (nics_w, gbs_w, nodes_w, psi_w):
+        control.observe(redraw, names="value")
+    box = w.VBox([preset_w, nics_w, gbs_w, nodes_w, psi_w, summary, image])
+    box.add_class("zerokit-link-time")
+    return _Shown(box, _static(first[0], first[1]))
