@@ -251,8 +251,8 @@ def _dim0_case(_rank, _world_size, fn):
                     if padded != c:
                         why = (f"rows // N = {rows // n} drops the remainder: round up, ceil(R / N)"
                                if padded == rows // n else "every rank's piece is padded to ceil(R / N) rows")
-                        raise AssertionError(f"{call} returned padded = {padded}, torch.chunk's pieces are {c} rows: "
-                                             f"{why}")
+                        raise AssertionError(f"{call} returned padded = {padded}, torch.chunk's pieces are {c} "
+                                             f"row{'s' if c != 1 else ''}: {why}")
                     if (start, length) != want[:2]:
                         even = [rows // n + (1 if k < rows % n else 0) for k in range(n)]
                         why = ""
