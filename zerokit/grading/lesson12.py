@@ -69,8 +69,10 @@ SITUATIONS = {
     "frozen": "check_shard_param",  # requires_grad kept False, sharded and checkpointed with the rest
     "subgroup": "check_shard_param: group_ranks=(1, 2, 3)",  # the mesh's rank and size, not the default group's
     "zero-grad-shard": "check_chunk_cat",  # a gradient of zeros, and shards of 0 rows, laid out like the rest
-    "peak-memory": "check_copy_in",  # the all-gather's input is a row of its output: no second S-element buffer
-    "zero3": "check_shard_grads",  # FSDP2 is ZeRO-3: these views are the gradients its optimizer steps
+    "peak-memory": "n/a: lesson 12's memory rule is the copy-in's (the all-gather's input is a row of its output, no "
+                   "second buffer), checked by storage in check_copy_in; a step's peak is zerokit.fully_shard's, "
+                   "measured in the notebook, not the student's code",
+    "zero3": "n/a: FSDP2 is ZeRO-3 only; the student's functions are its pieces and meet no other stage",
     "tied": "n/a: a parameter two modules share is one tensor, cut once; where it sits in the model is "
             "zerokit.fully_shard's bookkeeping (ShardedParam.places), not the student's",
     "unused": "n/a: a parameter without a gradient is left out of the reduce-scatter by zerokit.fully_shard's group; "
