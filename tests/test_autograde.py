@@ -127,8 +127,8 @@ def test_every_lost_point_comes_with_a_one_line_reason(graded):
             reason = r["reasons"].get(name, "")
             if not reason or "\n" in reason:
                 wrong.append(f"{lesson}/{student.id}/{name}: no one-line reason: {reason!r}")
-            elif student.reason not in reason:
-                wrong.append(f"{lesson}/{student.id}/{name}: reason {reason!r} lacks {student.reason!r}")
+            elif student.reason_for(name) not in reason:
+                wrong.append(f"{lesson}/{student.id}/{name}: reason {reason!r} lacks {student.reason_for(name)!r}")
     assert not wrong, "\n".join(wrong)
 
 

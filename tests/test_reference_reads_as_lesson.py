@@ -1,8 +1,8 @@
 """zerokit's references read as their lesson's exercise plus what is labelled beyond it.
 
-A student opening zerokit/zero2.py beside lesson 04 (or zero3.py beside lesson 05, or
-fully_shard/reshard.py, hpZ, beside lesson 11) should recognise every line of the methods they
-wrote. The references mark what the exercise leaves out with a comment, "beyond the
+A student opening zerokit/zero2.py beside lesson 04 (or zero3.py beside lesson 05,
+fully_shard/reshard.py, hpZ, beside lesson 11, or fully_shard/param.py and collectives.py beside
+lesson 12) should recognise every line of the methods and functions they wrote. The references mark what the exercise leaves out with a comment, "beyond the
 exercise", and this test holds them to it: strip what is so labelled from each exercise method
 of the reference, and what remains is, statement for statement (ast, comments and docstrings
 aside), the solution notebook's method.
@@ -27,7 +27,9 @@ import pytest
 
 import zerokit.zero2
 import zerokit.zero3
-from zerokit.fully_shard.reshard import ReshardZeRO3Adam  # (zerokit.fully_shard is the function)
+from zerokit.fully_shard import collectives as fsdp_collectives  # (zerokit.fully_shard is the function)
+from zerokit.fully_shard import param as fsdp_param
+from zerokit.fully_shard.reshard import ReshardZeRO3Adam
 
 ROOT = Path(__file__).resolve().parent.parent
 LABEL = "beyond the exercise"
@@ -36,6 +38,13 @@ CASES = [
     ("04_zero2", "MyZeRO2Adam", zerokit.zero2.ZeRO2Adam, ["_on_grad_ready", "_send", "_end_of_backward"]),
     ("05_zero3", "ShardedParameters", zerokit.zero3.ShardedParameters, ["_start_gather", "_finish_gather", "_free"]),
     ("11_zeropp", "MyHpZAdam", ReshardZeRO3Adam, ["_keep_secondary", "_start_gather", "_free"]),
+]
+# lessons whose exercises are functions: (lesson, the reference's module, [functions])
+# (lesson 12's shard_param and shard_grads have no function of their own in the reference: they are
+# lines of ShardedParam.__init__ and ParamGroup._reduce, which the exercise's contract cites)
+FUNCTION_CASES = [
+    ("12_fsdp2", fsdp_param, ["dim0_chunk"]),
+    ("12_fsdp2", fsdp_collectives, ["all_gather_copy_in", "all_gather_copy_out", "reduce_scatter_copy_in"]),
 ]
 # method: why the reference's body differs from the exercise's beyond a label
 EXCEPTIONS = {
@@ -99,6 +108,22 @@ def solution_methods(lesson, cls):
     raise AssertionError(f"no class {cls} in solutions/{lesson}")
 
 
+def solution_functions(lesson):
+    """{name: source} of the top-level functions of solutions/<lesson>'s code cells, solution markers removed."""
+    nb = json.loads((ROOT / "solutions" / lesson / f"{lesson}.ipynb").read_text())
+    found = {}
+    for cell in nb["cells"]:
+        if cell["cell_type"] != "code" or "### BEGIN SOLUTION" not in "".join(cell["source"]):
+            continue
+        source = re.sub(r"^[ \t]*### (BEGIN|END) SOLUTION[ \t]*\n", "", "".join(cell["source"]), flags=re.M)
+        try:
+            tree = ast.parse(source)
+        except SyntaxError:
+            continue
+        found.update({n.name: ast.get_source_segment(source, n) for n in tree.body if isinstance(n, ast.FunctionDef)})
+    return found
+
+
 def reference_method(cls, name):
     import inspect
 
@@ -135,3 +160,15 @@ def test_stripping_leaves_out_labelled_statements_blocks_and_replacements():
             return a
         ''')
     assert _body(strip_labelled(source)) == ["a = 1", "d = x", "return a"]
+
+
+@pytest.mark.parametrize("lesson, module, function",
+                         [(lesson, m, f) for lesson, m, functions in FUNCTION_CASES for f in functions])
+def test_each_exercise_function_is_the_solution_plus_what_is_labelled(lesson, module, function):
+    import inspect
+
+    theirs = _body(solution_functions(lesson)[function])
+    ours = _body(strip_labelled(textwrap.dedent(inspect.getsource(getattr(module, function)))))
+    assert ours == theirs, (f"{module.__name__}.{function}, labelled lines left out, is not lesson {lesson}'s "
+                            f"{function}:\nreference: {ours}\nsolution:  {theirs}\nlabel the difference "
+                            f"'{LABEL}' (with 'the exercise: `...`' where a line is generalised) or explain it")

@@ -162,3 +162,29 @@ def test_progress_shows_in_a_kernel_and_in_a_terminal_but_not_under_ci(monkeypat
     monkeypatch.setattr("sys.stderr", type("Tty", (), {"isatty": lambda self: True, "write": lambda self, s: None,
                                                          "flush": lambda self: None})())
     assert widgets.progress(range(3)).disable is False
+
+
+def test_the_cut_map_counts_what_each_cut_gives_and_draws_it():
+    """Lesson 12's picture: the flat cut splits a row of W1 between ranks 0 and 1, the dim-0 cut gives
+    every rank whole rows (torch.chunk's, by the reference dim0_chunk or a student's), padded."""
+    import torch
+
+    shapes = [(5, 4), (5,), (3, 5), (3,)]
+    counts = widgets.cut_counts(shapes, 3)
+    assert (counts["flat"]["shard"], counts["flat"]["rows_cut"], counts["flat"]["padding"]) == (15, 1, 2)
+    for i, shape in enumerate(shapes):  # torch.chunk's rows, rank by rank
+        lengths = [t.size(0) for t in torch.empty(shape).chunk(3)] + [0, 0, 0]
+        assert [counts["dim0"]["rows"][r][i][1] for r in range(3)] == lengths[:3]
+    assert (counts["dim0"]["shard"], counts["dim0"]["padding"]) == (16, 5)
+    title = widgets.cut_figure(shapes, 3).axes[0].get_title()
+    assert "1 row(s) cut between ranks" in title and "2 element(s) of padding" in title
+
+    def floor_chunk(rows, n, r):  # a student's floor division: the remainder's rows belong to no rank
+        c = rows // n
+        return min(r * c, rows), c, c
+
+    assert widgets.cut_counts(shapes, 3, floor_chunk)["dim0"]["padding"] < 0  # fewer elements stored than exist
+    shown = widgets.cut_map(shapes, 3)
+    first = shown.widget.children[1].value
+    shown.widget.children[0].value = 4
+    assert shown.widget.children[1].value != first

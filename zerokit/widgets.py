@@ -2,12 +2,14 @@ r"""Interactive figures for the lessons, drawn from the same functions the check
 
     memory_calculator()          model-state bytes per rank: Ψ, N, stage, precision, device
     shard_map(sizes, N)          the flat buffer, its padding, and which rank owns what
+    cut_map(shapes, N)           the same parameters cut flat (lessons 03-05) and on dim 0 (FSDP2, lesson 12)
     step_timeline(traces)        one real training step per configuration: the collectives in order, by phase
     link_time_explorer()         lesson 11: each scheme's communication per step against the bandwidth between nodes
     progress(iterable, desc)     a progress bar (a widget in JupyterLab, text in a terminal)
 
 The numbers are never computed here: the calculator shows `zerokit.theory_bytes`, the shard
-map cuts with `zerokit.flat.shard_range` (or the student's own), the timeline draws what
+map cuts with `zerokit.flat.shard_range` (or the student's own), the cut map with it and
+`zerokit.fully_shard.param.dim0_chunk` (or the student's own), the timeline draws what
 `zerokit.comm.trace_step` recorded. So a widget cannot disagree with a graded number.
 
 Each widget is also a picture: its display carries a static HTML rendering of its first
@@ -18,6 +20,7 @@ browser) shows the figure where JupyterLab shows the controls.
 import base64
 import html
 import io
+import math
 import os
 import sys
 
@@ -29,8 +32,8 @@ from .flat import padded_numel
 from .flat import shard_range as reference_shard_range
 from .memory import STAGES, theory_bytes
 
-__all__ = ["memory_calculator", "shard_map", "step_timeline", "progress", "memory_figure", "shard_figure",
-           "timeline_figure", "PRESETS", "link_time_explorer", "link_time_figure"]
+__all__ = ["memory_calculator", "shard_map", "step_timeline", "cut_map", "progress", "memory_figure", "shard_figure",
+           "timeline_figure", "cut_figure", "cut_counts", "PRESETS", "link_time_explorer", "link_time_figure"]
 
 _CATEGORIES = (("parameters", "weights", "#4e79a7"), ("gradients", "gradients", "#f28e2b"),
                ("optimizer_states", "optimizer state", "#59a14f"))
@@ -191,6 +194,91 @@ def shard_figure(sizes, world_size, shard_range=None, names=None):
     return fig
 
 
+def cut_counts(shapes, world_size, dim0_chunk=None):
+    """What the two cuts of parameters of `shapes` over N ranks give, per rank (lists) and in all:
+    flat (lesson 03's buffer, end to end, S = ceil(numel / N)): each rank's pieces (index, lo, hi) of
+    flattened parameters, the rows a shard boundary cuts, the padding; dim 0 (FSDP2): each rank's
+    (start, length, c) of every parameter, its storage S = sum c_i w_i, the padding N S - numel."""
+    if dim0_chunk is None:
+        from .fully_shard.param import dim0_chunk  # here: fully_shard imports torch.distributed.tensor
+    n = world_size
+    widths = [math.prod(s[1:]) for s in shapes]
+    numels = [s[0] * w for s, w in zip(shapes, widths)]
+    offsets = [sum(numels[:i]) for i in range(len(numels))]
+    total = sum(numels)
+    flat_s = padded_numel(total, n) // n
+    pieces = [[(i, max(o, r * flat_s) - o, min(o + m, (r + 1) * flat_s) - o)
+               for i, (o, m) in enumerate(zip(offsets, numels)) if max(o, r * flat_s) < min(o + m, (r + 1) * flat_s)]
+              for r in range(n)]
+    cut = sum(1 for r in range(1, n) for i, (o, m, w) in enumerate(zip(offsets, numels, widths))
+              if o < r * flat_s < o + m and (r * flat_s - o) % w)
+    rows = [[tuple(dim0_chunk(s[0], n, r)) for s in shapes] for r in range(n)]
+    dim0_s = sum(c * w for (_, _, c), w in zip(rows[0], widths))
+    return {"flat": {"shard": flat_s, "pieces": pieces, "rows_cut": cut, "padding": n * flat_s - total},
+            "dim0": {"shard": dim0_s, "rows": rows, "rows_cut": 0, "padding": n * dim0_s - total},
+            "numel": total, "widths": widths}
+
+
+def cut_figure(shapes, world_size, names=None, dim0_chunk=None):
+    """The same parameters cut two ways over N ranks: the flat buffer in N equal pieces (lessons 03-05),
+    and each parameter on dim 0 (FSDP2): what every rank holds, row boundaries as thin lines, padding
+    hatched, and in red a row that a flat shard boundary cuts in two."""
+    counts = cut_counts(shapes, world_size, dim0_chunk)
+    names = list(names) if names is not None else [f"p{i}" for i in range(len(shapes))]
+    n, widths = world_size, counts["widths"]
+    flat, dim0 = counts["flat"], counts["dim0"]
+    width = max(flat["shard"], dim0["shard"])
+    fig = Figure(figsize=(10, 1.1 * n + 1.8))
+    axes = fig.subplots(1, 2, sharey=True)
+    colors = [colormaps["tab10"](i % 10) for i in range(len(shapes))]
+
+    def block(ax, x, y, length, i, row_from):
+        """length elements of parameter i from its element row_from on, at x: colour, and a line at each row."""
+        ax.add_patch(Rectangle((x, y), length, 0.6, facecolor=colors[i], edgecolor="black", lw=0.5))
+        w = widths[i]
+        for e in range(row_from + 1, row_from + length):
+            if e % w == 0:
+                ax.plot([x + e - row_from] * 2, [y, y + 0.6], color="white", lw=0.8)
+
+    for r in range(n):
+        y = n - 1 - r
+        x = 0
+        for i, lo, hi in flat["pieces"][r]:
+            block(axes[0], x, y, hi - lo, i, lo)
+            for edge, at in ((lo, x), (hi, x + hi - lo)):
+                if edge % widths[i] and 0 < edge < shapes[i][0] * widths[i]:  # a row cut at a shard boundary
+                    axes[0].plot([at, at], [y - 0.05, y + 0.65], color="#e15759", lw=2.5)
+            x += hi - lo
+        if x < flat["shard"]:
+            axes[0].add_patch(Rectangle((x, y), flat["shard"] - x, 0.6, facecolor="white", edgecolor="black",
+                                        hatch="//", lw=0.5))
+        x = 0
+        for i, (_, length, c) in enumerate(dim0["rows"][r]):
+            if length:
+                block(axes[1], x, y, length * widths[i], i, 0)
+            if c > length:
+                axes[1].add_patch(Rectangle((x + length * widths[i], y), (c - length) * widths[i], 0.6,
+                                            facecolor="white", edgecolor=colors[i], hatch="//", lw=0.8))
+            x += c * widths[i]
+        axes[0].text(-0.02 * width, y + 0.3, f"rank {r}", ha="right", va="center", fontsize=8)
+    axes[0].set_title(f"flat buffer, N = {n}: {flat['shard']} elements a rank\n{flat['rows_cut']} row(s) cut between "
+                      f"ranks (red), {flat['padding']} element(s) of padding", fontsize=9)
+    axes[1].set_title(f"dim 0 (FSDP2), N = {n}: {dim0['shard']} elements a rank\nno row cut, "
+                      f"{dim0['padding']} element(s) of padding (hatched)", fontsize=9)
+    for ax in axes:
+        ax.set_xlim(-0.01 * width, width * 1.01)
+        ax.set_ylim(-0.2, n + 0.1)
+        ax.set_yticks([])
+        ax.set_xlabel("elements of the rank's storage")
+        for side in ("top", "right", "left"):
+            ax.spines[side].set_visible(False)
+    handles = [Patch(facecolor=colors[i], edgecolor="black", label=f"{names[i]} {'x'.join(map(str, s))}")
+               for i, s in enumerate(shapes)]
+    fig.legend(handles=handles, loc="lower center", ncol=min(len(shapes), 6), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0.03, 0.12, 1, 1))
+    return fig
+
+
 _OP_COLORS = {"all_gather": "#4e79a7", "reduce_scatter": "#f28e2b", "all_reduce": "#e15759", "broadcast": "#76b7b2"}
 _PHASE_COLORS = {"forward": "#d4e6f1", "backward": "#dddddd", "step": "#c7e9c0"}
 
@@ -302,6 +390,21 @@ def shard_map(sizes=(5, 2, 4), world_size=3, shard_range=None, names=None):
     box = w.VBox([n_w, image])
     box.add_class("zerokit-shard-map")
     caption = html.escape(f"shard map of {list(sizes)} on {world_size} ranks")
+    return _Shown(box, _static(image.value, caption))
+
+
+def cut_map(shapes=((5, 4), (5,), (3, 5), (3,)), world_size=3, names=None, dim0_chunk=None):
+    """The same parameters cut flat and on dim 0 for N ranks (a slider); pass your own dim0_chunk to see
+    what it gives each rank."""
+    import ipywidgets as w
+
+    n_w = w.IntSlider(value=world_size, min=1, max=8, description="N (ranks)")
+    image = _image_widget(_png(cut_figure(shapes, world_size, names, dim0_chunk)))
+    n_w.observe(lambda change: setattr(image, "value", _png(cut_figure(shapes, change["new"], names, dim0_chunk))),
+                names="value")
+    box = w.VBox([n_w, image])
+    box.add_class("zerokit-cut-map")
+    caption = html.escape(f"the flat cut and the dim-0 cut of {len(shapes)} parameters on {world_size} ranks")
     return _Shown(box, _static(image.value, caption))
 
 

@@ -40,7 +40,9 @@ class Student:
     id: str
     defect: str  # one line, for the table in the report
     expected: dict  # grade_id -> points this submission must get
-    reason: str = ""  # a fragment of the one-line reason every failed test cell must show
+    # a fragment of the one-line reason every failed test cell must show; or {grade_id: fragment}, for a
+    # notebook with one mistake per exercise, each costing its own test cell (one grading run for several)
+    reason: str | dict = ""
     cells: dict = field(default_factory=dict)  # grade_id -> new source, SOLUTION, or solution_with(...)
     before: dict = field(default_factory=dict)  # grade_id -> source of a new cell inserted before it
     after: dict = field(default_factory=dict)  # grade_id -> source of a new cell inserted after it
@@ -48,6 +50,10 @@ class Student:
     files: dict = field(default_factory=dict)  # path beside the notebook -> text: other files submitted
     raw: str | None = None  # the file's whole content instead of a notebook
     full: bool = False  # keep every cell; otherwise only the lesson's KEEP cells besides graded ones
+
+    def reason_for(self, grade_id):
+        """The fragment the reason of test cell `grade_id` must contain, should it lose points."""
+        return self.reason.get(grade_id, "") if isinstance(self.reason, dict) else self.reason
 
 
 def lesson_modules():

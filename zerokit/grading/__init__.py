@@ -70,6 +70,15 @@ the student's code, under the same names, plus what only its lesson has:
                           check_quantize           exercise 2: int8 in blocks, max|x|/127 per block, half a step
                           check_qwz_gather         exercise 3: Ψ + 4Ψ/B bytes, each rank's chunk with its scales
                           check_qwz_training       ... 50 steps of ZeRO++ with your quantiser within 4% of exact
+    12 FSDP2              check_dim0_chunk         exercise 1: each rank's rows of a dim 0 as torch.chunk cuts them
+                          check_shard_param        ... the zero-padded storage and a DTensor Shard(0) viewing it, as
+                                                   torch's distribute_tensor cuts it; its DCP checkpoint loaded
+                                                   into torch's fully_shard
+                          check_copy_in            exercise 2: the all-gather's output, this rank's row a view of it
+                          check_copy_out           ... each parameter's buffer, its column block of every row; the
+                                                   version counters left alone
+                          check_chunk_cat          exercise 3: the reduce-scatter's input, rank-major, zero-padded
+                          check_shard_grads        ... DTensor gradients viewing the output at the padded offsets
 
 (The names the notebooks called before, e.g. check_zero1_numerics, check_matches_adamw, and
 the `kind=` argument for `model=`, still work for a term: each module aliases them.)
@@ -78,7 +87,8 @@ One bug costs one check. Each check looks at one thing, and where a check needs 
 exercise's piece it uses a reference for it (lesson 02's class checks use a reference
 average_gradients; lesson 05's hook checks use zerokit's gather and free; lesson 06's
 optimizer checks use zerokit's scaler; lesson 07's reads your checkpoint with zerokit's loader, and
-drives that loader with your map), so a student loses the points of the check meant to
+drives that loader with your map; lesson 12's shard_param and shard_grads run with zerokit's
+dim0_chunk), so a student loses the points of the check meant to
 catch a bug, and only those. tests/test_grading_lessonNN.py hold each lesson's broken
 versions and the exact checks each must fail.
 
