@@ -39,6 +39,9 @@ Scenarios (name, world size N, <- the PyTorch test it ports; then what it assert
     uneven layers and a root parameter, reshard_after_forward=False: torch.equal to torch's every step
 - bitwise_uneven_bf16_reshard_2_N4 (N=4, zerokit only) <- issue 45 (bitwise beside torch's fully_shard)
     uneven layers, bf16, reshard_after_forward=2: torch.equal to torch's every step
+- bitwise_mixed_dtypes_in_a_group_N2 (N=2, zerokit only) <- issue 45 (bitwise beside torch's fully_shard)
+    the root's group holds an fp32 parameter and a frozen bf16 one (gathered as bytes): torch.equal to
+    torch's every step
 - bitwise_no_sync_and_clip_N2 (N=2, zerokit only) <- issue 45 (bitwise beside torch's fully_shard)
     3 microbatches without sync but the last, then torch's clip_grad_norm_: losses, total norms and
     shards torch.equal to torch's
@@ -70,17 +73,20 @@ ISSUE = "issue 45 (bitwise beside torch's fully_shard)"
 
 class Uneven(nn.Module):
     """Layers of uneven shapes ((7, 15), (15, 3), (3, 16), (16, 17), as FSDP2's tests use) and a
-    parameter of the root's own."""
+    parameter of the root's own; mixed: beside it, in the root's group, a frozen bf16 parameter (two
+    dtypes in one all-gather, which FSDP2 sends as bytes)."""
 
-    def __init__(self):
+    def __init__(self, mixed=False):
         super().__init__()
         self.inp, self.mid = nn.Linear(7, 15), nn.Linear(15, 3)
         self.up, self.out = nn.Linear(3, 16), nn.Linear(16, 17)
         self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 17))
+        self.offset = nn.Parameter(torch.linspace(-1, 1, 17).bfloat16(), requires_grad=False) if mixed else None
 
     def forward(self, x):
         h = torch.relu(self.mid(torch.relu(self.inp(x))))
-        return self.out(torch.relu(self.up(h))) * self.scale
+        y = self.out(torch.relu(self.up(h))) * self.scale
+        return y if self.offset is None else y + self.offset.float()
 
     def blocks(self):
         return [self.inp, self.mid, self.up, self.out]
@@ -88,7 +94,7 @@ class Uneven(nn.Module):
 
 def _model(kind):
     torch.manual_seed(42)
-    return Transformer(vocab_size=27, n_layers=2) if kind == "transformer" else Uneven()
+    return Transformer(vocab_size=27, n_layers=2) if kind == "transformer" else Uneven(mixed=kind == "mixed")
 
 
 def _shard(fully_shard, model, **kw):
@@ -142,6 +148,9 @@ def bitwise_training(s, kind, precision, reshard_after_forward=None, hsdp=False,
         if clip is not None:
             s.check.equal(norms["zerokit"], norms["torch"], f"step {step}: clip_grad_norm_'s total norm")
         for (pname, p), (_, q) in zip(models["torch"].named_parameters(), models["zerokit"].named_parameters()):
+            if p.grad is None or q.grad is None:  # a frozen parameter: no gradient on either
+                s.check.true(p.grad is None and q.grad is None, f"step {step}: {pname} has a gradient on one only")
+                continue
             s.check.equal(q.grad.to_local(), p.grad.to_local(), f"step {step}: {pname} gradient shard")
         for o in optims.values():
             o.step()
@@ -164,6 +173,9 @@ for n in (2, 4):
 SC.add("bitwise_uneven_bf16_reshard_2_N4", 4, ISSUE, "uneven layers, bf16, reshard_after_forward=2: torch.equal to "
        "torch's every step", bitwise_training, systems=("zerokit",), kind="uneven", precision="bf16",
        reshard_after_forward=2)
+SC.add("bitwise_mixed_dtypes_in_a_group_N2", 2, ISSUE, "the root's group holds an fp32 parameter and a frozen bf16 "
+       "one (gathered as bytes): torch.equal to torch's every step", bitwise_training, systems=("zerokit",),
+       kind="mixed", precision="fp32")
 SC.add("bitwise_no_sync_and_clip_N2", 2, ISSUE, "3 microbatches without sync but the last, then torch's "
        "clip_grad_norm_: losses, total norms and shards torch.equal to torch's", bitwise_training,
        systems=("zerokit",), kind="transformer", precision="fp32", microbatches=3, clip=0.5)

@@ -40,11 +40,10 @@ CASES = [
     ("11_zeropp", "MyHpZAdam", ReshardZeRO3Adam, ["_keep_secondary", "_start_gather", "_free"]),
 ]
 # lessons whose exercises are functions: (lesson, the reference's module, [functions])
-# (lesson 12's shard_param and shard_grads have no function of their own in the reference: they are
-# lines of ShardedParam.__init__ and ParamGroup._reduce, which the exercise's contract cites)
 FUNCTION_CASES = [
-    ("12_fsdp2", fsdp_param, ["dim0_chunk"]),
-    ("12_fsdp2", fsdp_collectives, ["all_gather_copy_in", "all_gather_copy_out", "reduce_scatter_copy_in"]),
+    ("12_fsdp2", fsdp_param, ["dim0_chunk", "shard_param"]),
+    ("12_fsdp2", fsdp_collectives, ["all_gather_copy_in", "all_gather_copy_out", "reduce_scatter_copy_in",
+                                    "shard_grads"]),
 ]
 # method: why the reference's body differs from the exercise's beyond a label
 EXCEPTIONS = {
@@ -82,7 +81,8 @@ def strip_labelled(source):
             j = i
             while j < len(lines) and lines[j].strip().startswith("#"):
                 j += 1
-            said = re.search(r"the exercise: `([^`]+)`", " ".join(lines[i:j]))
+            comments = " ".join(c.strip().removeprefix("#").strip() for c in lines[i:j])  # code may wrap lines
+            said = re.search(r"the exercise: `([^`]+)`", comments)
             if said:
                 out.append(" " * (len(lines[j]) - len(lines[j].lstrip())) + said.group(1))
             i = _block_end(lines, j)
@@ -151,7 +151,8 @@ def test_stripping_leaves_out_labelled_statements_blocks_and_replacements():
             if x:  # beyond the exercise: dropped with its block
                 c = 3
             # beyond the exercise: the next statement, generalised;
-            # the exercise: `d = x`
+            # the exercise: `d = h(x,
+            #     2)`
             d = g(x,
                   1)
             # beyond the exercise: the next block
@@ -159,7 +160,7 @@ def test_stripping_leaves_out_labelled_statements_blocks_and_replacements():
                 pass
             return a
         ''')
-    assert _body(strip_labelled(source)) == ["a = 1", "d = x", "return a"]
+    assert _body(strip_labelled(source)) == ["a = 1", "d = h(x, 2)", "return a"]
 
 
 @pytest.mark.parametrize("lesson, module, function",

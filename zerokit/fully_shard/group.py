@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from .collectives import (AllGather, Gathering, ReduceScatter, all_gather_copy_in, all_gather_copy_out,
-                          divide_factors, reduce_scatter_copy_in)
+                          divide_factors, reduce_scatter_copy_in, shard_grads)
 
 __all__ = ["ShardedState", "Phase", "ParamGroup"]
 
@@ -192,7 +192,10 @@ class ParamGroup:
         inputs = [p.all_gather_input(post_forward) for p in self.params]
         if self.offload:
             inputs = [t.to(self.device, non_blocking=True) for t in inputs]
-        dtype = self.params[0].compute_dtype
+        dtypes = {p.compute_dtype for p in self.params}
+        dtype = dtypes.pop() if len(dtypes) == 1 else torch.uint8
+        if dtype is torch.uint8:  # parameters of several dtypes (a frozen bf16 one beside fp32): gathered as bytes
+            inputs = [t.to(p.compute_dtype).view(torch.uint8) for p, t in zip(self.params, inputs)]
         output, row = all_gather_copy_in(inputs, group.size(), group.rank(), dtype, self.device)
         work = self.all_gather(output, row, group, async_op=async_op)
         self.gathering = Gathering(output, work if async_op else None, [t.numel() for t in inputs])
@@ -204,7 +207,10 @@ class ParamGroup:
         output, work, sizes = self.gathering
         if work is not None:
             work.wait()
-        all_gather_copy_out(output, sizes, [p.gathered_buffer(self.device) for p in self.params])
+        outs = [p.gathered_buffer(self.device) for p in self.params]
+        if output.dtype is torch.uint8:
+            outs = [o.view(torch.uint8) for o in outs]
+        all_gather_copy_out(output, sizes, outs)
         self.gathering = None
         self._set_state(ShardedState.UNSHARDED)
 
@@ -327,10 +333,8 @@ class ParamGroup:
             output.div_(after)
         if self.orig_dtype is not None and output.dtype != self.orig_dtype:
             output = output.to(self.orig_dtype)
-        offset = 0
-        for p in params:
-            p.add_sharded_grad(output.as_strided(p.sharded_size, p.orig_stride, offset))
-            offset += p.padded.numel()
+        for p, grad in zip(params, shard_grads(output, [p.sharded_param for p in params])):
+            p.add_sharded_grad(grad)
 
     def finalize_backward(self):
         """The last backward of a step is over: drop any gather prefetched but never used, forget the order

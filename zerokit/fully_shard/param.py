@@ -33,7 +33,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["dim0_chunk", "ShardedParam"]
+__all__ = ["dim0_chunk", "shard_param", "ShardedParam"]
 
 
 def dim0_chunk(rows, world_size, rank):
@@ -42,6 +42,30 @@ def dim0_chunk(rows, world_size, rank):
     padded = math.ceil(rows / world_size)
     start = min(rank * padded, rows)
     return start, min(padded, rows - start), padded
+
+
+def placements(mesh):
+    """Where a shard sits on the mesh: Shard(0) on a 1-D mesh; on a 2-D one (HSDP) each row of ranks is a
+    replica and shards across its columns."""
+    return (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))
+
+
+@torch.no_grad()
+def shard_param(param, mesh):
+    """(padded, sharded): this rank's rows of `param` padded with zero rows to ceil(R / N), flat (the
+    storage), and an nn.Parameter holding a DTensor of param's shape, placed Shard(0) on `mesh`, whose
+    local tensor is a view of the real rows of that storage."""
+    # beyond the exercise: a 2-D mesh (HSDP) shards over its last dimension, each row a replica;
+    # the exercise: `start, length, padded_rows = dim0_chunk(param.size(0), mesh.size(), mesh.get_local_rank())`
+    start, length, padded_rows = dim0_chunk(param.size(0), mesh.size(mesh.ndim - 1), mesh.get_local_rank(mesh.ndim - 1))
+    padded = torch.zeros(padded_rows, *param.shape[1:], dtype=param.dtype, device=param.device)
+    padded[:length].copy_(param.detach()[start:start + length])
+    # beyond the exercise: (Replicate(), Shard(0)) on a 2-D mesh;
+    # the exercise: `local = DTensor.from_local(padded[:length], mesh, (Shard(0),), run_check=False,
+    #     shape=param.size(), stride=param.stride())`
+    local = DTensor.from_local(padded[:length], mesh, placements(mesh), run_check=False, shape=param.size(),
+                               stride=param.stride())
+    return padded.view(-1), nn.Parameter(local, requires_grad=param.requires_grad)
 
 
 _UIDS = WeakIdKeyDictionary()  # an original parameter -> its number (id() is reused once one is collected)
@@ -94,19 +118,14 @@ class ShardedParam:
         self.orig_id = _uid(param)  # two calls that find the same parameter (tied across them) are refused
         self.orig_size, self.orig_stride = param.size(), _contiguous_stride(param.size())
         self.world_size = shard_size
-        start, length, padded_rows = dim0_chunk(param.size(0), shard_size, shard_rank)
+        _, length, padded_rows = dim0_chunk(param.size(0), shard_size, shard_rank)
         self.padded_size = torch.Size([padded_rows, *param.shape[1:]])
         self.sharded_size = torch.Size([length, *param.shape[1:]])
-        self.placements = (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))
         home = torch.device("cpu") if offload else device  # offload: shard, gradient, optimizer state on the host
-        if param.is_meta:  # built on the meta device: storage comes with module.to_empty() (reset_sharded_param)
-            home = torch.device("meta")
-        with torch.no_grad():
-            padded = torch.zeros(self.padded_size, dtype=param.dtype, device=home)
-            if not param.is_meta:
-                padded[:length].copy_(param.detach()[start:start + length])
-        self.padded = padded.view(-1)
-        self.sharded_param = nn.Parameter(self._dtensor(padded[:length]), requires_grad=param.requires_grad)
+        if not (param.is_meta or param.device == home):  # meta: storage comes with module.to_empty()
+            with torch.no_grad():
+                param = nn.Parameter(param.to(home), requires_grad=param.requires_grad)
+        self.padded, self.sharded_param = shard_param(param, mesh)
         self.post_forward = post_forward
         self.post_forward_param = None  # hpZ: this rank's 1/k of the gathered buffer, between forward and backward
         self.post_forward_flat = None  # its storage, flat: what backward's all-gather inside the node sends
@@ -125,17 +144,6 @@ class ShardedParam:
     @property
     def name(self):
         return self._name(self.places)
-
-    def _dtensor(self, local):
-        """`local` (this rank's rows) as a DTensor of the full parameter's shape."""
-        return DTensor.from_local(local, self.mesh, self.placements, run_check=False, shape=self.orig_size,
-                                  stride=self.orig_stride)
-
-    def sharded_grad(self, local):
-        """A gradient shard (this rank's rows) as the DTensor .grad of the sharded parameter, placed as it is.
-        DTensor's constructor with the parameter's own spec: DTensor.from_local costs ~10x more, once per
-        parameter and step (measured: 40-80 us against 4-12 us)."""
-        return DTensor(local, self.sharded_param._spec, requires_grad=False)
 
     def set_dtypes(self, mp_policy):
         """FSDP2's reading of a MixedPrecisionPolicy: param_dtype None where it is the parameter's own
@@ -238,15 +246,15 @@ class ShardedParam:
         self.unsharded_param.grad = None
         self.accumulated_grad = grad.to(self.reduce_dtype)
 
-    def add_sharded_grad(self, local):
-        """Give the sharded parameter this reduced gradient shard as its .grad, or add it to the one there."""
+    def add_sharded_grad(self, grad):
+        """Give the sharded parameter this reduced gradient shard (a DTensor) as its .grad, or add it to the one
+        there."""
         if self.offload:
-            local = local.to("cpu")
-        grad = self.sharded_param.grad
-        if grad is None:
-            self.sharded_param.grad = self.sharded_grad(local)
+            grad = DTensor(grad.to_local().to("cpu"), grad._spec, requires_grad=False)  # the spec: see shard_grads
+        if self.sharded_param.grad is None:
+            self.sharded_param.grad = grad
         else:
-            grad.to_local().add_(local)
+            self.sharded_param.grad.to_local().add_(grad.to_local())
         for hook in (getattr(self.sharded_param, "_post_accumulate_grad_hooks", None) or {}).values():
             hook(self.sharded_param)
 

@@ -105,10 +105,12 @@ _REFERENCE_DIM0_CHUNK = _intact(_param.dim0_chunk)  # taken when the checks are 
 
 def _refusals():
     return refusing((_param, "dim0_chunk", _REFUSED.format("dim0_chunk")),
+                    (_param, "shard_param", _REFUSED.format("shard_param")),
                     (_param.ShardedParam, "__init__", _REFUSED.format("ShardedParam")),
                     (_collectives, "all_gather_copy_in", _REFUSED.format("all_gather_copy_in")),
                     (_collectives, "all_gather_copy_out", _REFUSED.format("all_gather_copy_out")),
                     (_collectives, "reduce_scatter_copy_in", _REFUSED.format("reduce_scatter_copy_in")),
+                    (_collectives, "shard_grads", _REFUSED.format("shard_grads")),
                     everywhere=True)
 
 
