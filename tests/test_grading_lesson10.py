@@ -183,5 +183,6 @@ def test_torch_clip_is_the_global_norm_at_stage_3(capsys):
     rank's unreduced gradient: test_example_defects) and stage 2 (no .grad: test_each_bug), right at stage 3,
     where FullyShard's gradients are DTensors of each rank's rows and torch's clip takes their norm over every
     rank. The loop that clips with it passes the clipped losses check (clip 0.5, which every step hits)."""
-    lesson10.check_losses(_loop("torchclip3", examples.TORCH_CLIP), stage=3, world_size=2, optimizer="sgd", clip=0.5)
+    lesson10.check_losses(_loop("torchclip3", examples.TORCH_CLIP), stage=3, world_size=2, optimizer="sgd",
+                          clip=0.5)
     assert capsys.readouterr().out.startswith("✓")

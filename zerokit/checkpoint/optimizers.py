@@ -463,8 +463,8 @@ class DTensorJob(TorchJob):
                             "parameters: build it on model.parameters()")
         for p in self._trained():
             if not is_dtensor(p):
-                raise TypeError(f"{self.names[p]} is a plain tensor in a model sharded by fully_shard (ignored_params?): "
-                                "zerokit.checkpoint saves a sharded model whose trained parameters are all DTensors")
+                raise TypeError(f"{self.names[p]} is a plain tensor in a model sharded by fully_shard (ignored_params?):"
+                                " zerokit.checkpoint saves a sharded model whose trained parameters are all DTensors")
             try:
                 check_row_sharded(self.names[p], p)
             except ValueError as exc:

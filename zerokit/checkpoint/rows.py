@@ -16,7 +16,6 @@ a DTensor on every rank, and loaded into this rank's rows (`local_rows`).
 
 import math
 
-import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
