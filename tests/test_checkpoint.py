@@ -8,7 +8,7 @@
 | consolidation: plain fp32 state_dict, tied once, frozen + buffers; peak measured | test_consolidate |
 | stream-load of a ZeRO-3 model unit by unit, from a meta-device model; peak measured | test_stream_load |
 | atomic save (kill a rank mid-save); clear one-message failures that change nothing | test_killed_save_and_refused_loads |
-| DCP interop: zerokit -> FSDP2 + torch AdamW and back, N = 2 | test_dcp_interop_with_fsdp2 |
+| DCP interop: zerokit -> FSDP2 (torch's and zerokit's fully_shard) + torch AdamW and back, N = 2 | test_dcp_interop_with_fsdp2 |
 | other alignments (unaligned, as before; 128 B) load bit for bit; the lesson's map refused on aligned shards | test_checkpoints_of_another_alignment_load |
 
 The truth is never zerokit's own reading of a checkpoint: what the optimizers held when they
@@ -208,7 +208,7 @@ def test_each_rank_writes_only_its_own_shards(deep):
             assert m["own_bytes"], f"{stage}: rank {rank}'s file is not exactly its own shards"
             assert m["file"] == 12 * shards  # (K + P) Ψ / N in fp32, K = 8, P = 4, + padding
             assert m["file"] < 12 * (psi + padding_bound(n_params, len(meta["buckets"]), 3)) / 3
-            # a rank writes its file, and little else (rank 0: the metadata; all: three tiny agreements)
+            # a rank writes its file, and little else (rank 0: the metadata; all: four tiny agreements)
             extra = m["wrote"] - m["file"] - (meta_bytes if rank == 0 else 0)
             assert 0 <= extra <= 64 * 1024, (stage, rank, m)
             assert m["peak"] <= m["allowed_peak"], (stage, rank, m)
@@ -611,52 +611,74 @@ def test_killed_save_and_refused_loads(tmp_path):
 # interoperability: PyTorch Distributed Checkpoint, FSDP2 and torch's AdamW
 
 
+FSDP2 = ("torch", "zerokit")  # torch's fully_shard and zerokit's: the same DTensor parameters, the same recipe
+
+
 def _fsdp(rank, world, load_from, save_to, start, steps):
+    """Each FSDP2 in turn (FSDP2): the edge model sharded by fully_shard, torch's AdamW; from the DCP checkpoint
+    `load_from` (PyTorch's own recipe, unchanged) or from step 0; trained; saved to `save_to / impl` with DCP.
+    {impl: the full weights}."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
     from torch.distributed.tensor import DTensor
 
-    model = new_model("edge", seed=9 if load_from else 0)
-    fully_shard(model)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=WD)
-    if load_from:  # PyTorch's own recipe, unchanged
-        model_sd, optim_sd = get_state_dict(model, opt)
-        state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=load_from)
-        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    train("edge", model, opt, steps, start, rank, world)
-    if save_to:
-        model_sd, optim_sd = get_state_dict(model, opt)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=save_to)
-    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()}
+    out = {}
+    for impl in FSDP2:
+        model = new_model("edge", seed=9 if load_from else 0)
+        (torch_fully_shard if impl == "torch" else zerokit.fully_shard)(model)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=WD)
+        if load_from:
+            model_sd, optim_sd = get_state_dict(model, opt)
+            state = {"model": model_sd, "optim": optim_sd}
+            dcp.load(state, checkpoint_id=load_from)
+            set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        train("edge", model, opt, steps, start, rank, world)
+        if save_to:
+            model_sd, optim_sd = get_state_dict(model, opt)
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=save_to / impl)
+        out[impl] = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+                     for n, p in model.named_parameters()}
+    return out
 
 
 def _zerokit_side(rank, world, load_from, save_to, start, steps):
-    model = new_model("edge", seed=9 if load_from else 0)
-    opt = make_opt("zero3" if save_to else "zero2", model)
-    if load_from:
-        ckpt.load(load_from, model, opt)
-    train("edge", model, opt, steps, start, rank, world)
-    if save_to:
-        ckpt.save(save_to, model, opt)
-    return weights(model, opt)
+    """ZeRO-3 from step 0, saved to `save_to`; or ZeRO-2 from each checkpoint of `load_from` ({name: path}):
+    {name: the full weights}."""
+    out = {}
+    for name, path in (load_from or {None: None}).items():
+        model = new_model("edge", seed=9 if path else 0)
+        opt = make_opt("zero3" if save_to else "zero2", model)
+        if path:
+            ckpt.load(path, model, opt)
+        train("edge", model, opt, steps, start, rank, world)
+        if save_to:
+            ckpt.save(save_to, model, opt)
+        out[name] = weights(model, opt)
+    return out
 
 
 @pytest.mark.timeout(150)
 def test_dcp_interop_with_fsdp2(tmp_path):
+    """zerokit's checkpoint to DCP, loaded by torch's fully_shard and by zerokit's with PyTorch's recipe; each of
+    them saved with DCP, converted, loaded into ZeRO-2. The two FSDP2s are one arithmetic (lesson 12): after the
+    same checkpoint and steps their weights are equal bit for bit, and so are the ZeRO-2 runs their checkpoints
+    start."""
     from zerokit.checkpoint.dcp import from_dcp, to_dcp
 
     reference, _, _ = adamw_reference("edge", 5, BATCH, lr=LR, weight_decay=WD)
-    # zerokit (ZeRO-3) saves after 3 steps -> DCP -> FSDP2 + torch AdamW resumes for 2
+    # zerokit (ZeRO-3) saves after 3 steps -> DCP -> each FSDP2 + torch AdamW resumes for 2
     run_ranks(_zerokit_side, 2, None, tmp_path / "zk", 0, 3)
     to_dcp(tmp_path / "zk", tmp_path / "dcp")
     fsdp = run_ranks(_fsdp, 2, tmp_path / "dcp", None, 3, 2)[0]
-    # FSDP2 saves after 3 steps -> zerokit (ZeRO-2) resumes for 2
+    # each FSDP2 saves after 3 steps -> zerokit (ZeRO-2) resumes for 2
     run_ranks(_fsdp, 2, None, tmp_path / "fsdp", 0, 3)
-    from_dcp(tmp_path / "fsdp", tmp_path / "zk2", new_model("edge"))
-    zk = run_ranks(_zerokit_side, 2, tmp_path / "zk2", None, 3, 2)[0]
-    print(f"\nDCP: zerokit -> FSDP2 {max_diff(fsdp, reference[-1]):.2g}, FSDP2 -> zerokit "
-          f"{max_diff(zk, reference[-1]):.2g} from one-process AdamW after 5 steps")
-    assert max_diff(fsdp, reference[-1]) < 1e-5 and max_diff(zk, reference[-1]) < 1e-5
-    assert max_diff(fsdp, zk) <= 1e-6
+    for impl in FSDP2:
+        from_dcp(tmp_path / "fsdp" / impl, tmp_path / f"zk2-{impl}", new_model("edge"))
+    zk = run_ranks(_zerokit_side, 2, {impl: tmp_path / f"zk2-{impl}" for impl in FSDP2}, None, 3, 2)[0]
+    for impl in FSDP2:
+        print(f"\nDCP, {impl}'s fully_shard: zerokit -> FSDP2 {max_diff(fsdp[impl], reference[-1]):.2g}, FSDP2 -> "
+              f"zerokit {max_diff(zk[impl], reference[-1]):.2g} from one-process AdamW after 5 steps")
+        assert max_diff(fsdp[impl], reference[-1]) < 1e-5 and max_diff(zk[impl], reference[-1]) < 1e-5, impl
+        assert max_diff(fsdp[impl], zk[impl]) <= 1e-6, impl
+    assert max_diff(fsdp["zerokit"], fsdp["torch"]) == 0.0 and max_diff(zk["zerokit"], zk["torch"]) == 0.0

@@ -3,7 +3,7 @@
 | promise | test |
 |---|---|
 | save, resume: the loaded state is bit for bit what the ranks held; at the same N the run goes on bit for bit | test_resume_and_reshard |
-| reshard N -> N' (2 -> 3, 3 -> 2) and across wrappers (ZeRO1, ZeRO2, DataParallel, FullyShard, one process) | test_resume_and_reshard |
+| reshard N -> N' (2 -> 3, 3 -> 2) and across wrappers (ZeRO1, ZeRO2, DataParallel, FullyShard, zerokit's and torch's fully_shard calls, one process) | test_resume_and_reshard |
 | consolidate: the full fp32 weights of any of them | test_consolidate |
 | another optimizer class, or other state keys, refused on every rank with the reason; nothing changed | test_refusals |
 | the lessons' Adam and torch's AdamW load each other's checkpoints | test_resume_and_reshard (adam cases) |
@@ -14,8 +14,11 @@ step). The model is EdgeCaseNet: a tied weight, a frozen parameter, an unused on
 so it has no state, and must still have none after a load), a buffer, sizes not divisible by 2 or 3.
 
 The truth is never the checkpoint's own reading: what the ranks held when they saved, read through
-the wrappers' public state (state_shards() of ZeRO1/ZeRO2 and FullyShard, opt.state of a replicated
-model), and a run that was never interrupted. The loaded state is bit for bit what was saved,
+the wrappers' public state (state_shards() of ZeRO1/ZeRO2; under FullyShard and fully_shard each
+DTensor parameter's and state's local rows, placed where torch.chunk puts this rank's rows; opt.state
+of a replicated model), and a run that was never interrupted. A sharded model that loads has run a
+forward under no_grad first (the root then keeps its gathered parameters): the load must still reach
+the next forward. The loaded state is bit for bit what was saved,
 always. The steps after a load are bit for bit the uninterrupted run's at the same world size
 (N = 2, each rank its own slice), whichever wrapper resumes: every wrapper averages the same two
 per-rank gradients, and a + b rounds the same in either order. At another world size they differ
@@ -64,6 +67,10 @@ SAVES = {
     (3, "fs", "sgd"): [(2, "zero1"), (2, "dp")],
     (3, "zero2", "adamw"): [(2, "fs")],
     (2, "adam", "adamw"): [(3, "zero2")],
+    # zerokit.fully_shard called by hand (a block, then the root) and torch's own fully_shard: the same
+    # DTensor parameters, so one job saves them and either loads the other's, and the flat stages' too
+    (2, "fsdp", "adamw"): [(2, "torch-fsdp"), (3, "fsdp"), (2, "zero1")],
+    (3, "torch-fsdp", "sgd"): [(2, "fsdp")],
     # fp16 weights, fp32 masters and a loss scale that grows every step: resumed at the same N only
     # (at another N fp16 training itself goes elsewhere: the rounding of the gradients' sums differs)
     (2, "zero1-fp16", "sgd"): [(2, "zero1-fp16")],
@@ -83,9 +90,17 @@ def make(wrapper, opt_name, seed=0):
         return model, model, zerokit.ZeRO2(model.parameters(), cls, bucket_mb=60 * 4 / 2**20, **kw)
     if wrapper == "adam":  # the lessons' own Adam: torch's AdamW bit for bit
         return model, model, zerokit.ZeRO1Adam(model.parameters(), lr=kw["lr"], weight_decay=kw["weight_decay"])
-    if wrapper == "fs":
-        fs = zerokit.FullyShard(model)
+    if wrapper == "fs":  # units that keep the tied embed/head weight in one group (the root's)
+        fs = zerokit.FullyShard(model, units=[model.block, model.frozen, model.unused])
         return fs, fs, cls(fs.parameters(), **kw)
+    if wrapper in ("fsdp", "torch-fsdp"):  # FSDP2's calls: each unit, then the root
+        if wrapper == "fsdp":
+            shard = zerokit.fully_shard
+        else:
+            from torch.distributed.fsdp import fully_shard as shard
+        shard(model.block)
+        shard(model)
+        return model, model, cls([p for p in model.parameters() if p.requires_grad], **kw)
     if wrapper == "dp":
         dp = zerokit.DataParallel(model, bucket_mb=100 * 4 / 2**20)
         return dp, dp, cls([p for p in dp.parameters() if p.requires_grad], **kw)
@@ -102,10 +117,23 @@ def train(run, opt, start, steps, rank, world):
         opt.zero_grad()
 
 
+def _rows(t, rank, world):
+    """The rows of a tensor of t.shape[0] rows that rank holds of a dim-0 shard across world ranks, as
+    torch.chunk cuts them (FSDP2's layout): [start, end)."""
+    chunks = torch.arange(t.shape[0]).chunk(world)
+    held_rows = chunks[rank] if rank < len(chunks) else torch.arange(0)
+    start = int(held_rows[0]) if len(held_rows) else t.shape[0]
+    return start, start + len(held_rows)
+
+
 def full_weights(saved, opt):
-    """{name: full fp32 weights} of the trained parameters (a collective under FullyShard)."""
+    """{name: full fp32 weights} of the trained parameters (a collective under FullyShard and fully_shard)."""
+    from torch.distributed.tensor import DTensor
+
     if isinstance(saved, zerokit.FullyShard):
         full = saved.full_parameters()
+    elif any(isinstance(p, DTensor) for p in saved.parameters()):
+        full = {n: p.full_tensor() for n, p in saved.named_parameters()}
     else:
         model = saved.module if isinstance(saved, zerokit.DataParallel) else saved
         full = dict(model.named_parameters())
@@ -127,13 +155,25 @@ def held(saved, opt):
                 numbers[name] = {**numbers.get(name, {}), k: float(v)}
         pieces.append((name, lo, hi, values))
 
+    from torch.distributed.tensor import DTensor
+
     model = saved.module if isinstance(saved, (zerokit.DataParallel, zerokit.FullyShard)) else saved
     names = {p: n for n, p in model.named_parameters()}
-    if isinstance(opt, (zerokit.ZeRO1, zerokit.ZeRO2)) or isinstance(saved, zerokit.FullyShard):
-        for sh in (opt if isinstance(opt, (zerokit.ZeRO1, zerokit.ZeRO2)) else saved).state_shards():
+    if isinstance(opt, (zerokit.ZeRO1, zerokit.ZeRO2)):
+        for sh in opt.state_shards():
             for s, param in zip(sh.bucket.segments, sh.params):  # a segment Parameter, stepped by a torch optimizer
                 add(names[sh.bucket.params[s.index]], s.param_lo, s.param_hi, param,
                     (sh.optimizer or opt).state.get(param, {}))
+    elif any(isinstance(p, DTensor) for p in model.parameters()):  # FullyShard, fully_shard: this rank's rows
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        for name, p in model.named_parameters():
+            start, end = _rows(p, rank, world)
+            if not p.requires_grad or start == end:
+                continue
+            width = math.prod(p.shape[1:])  # elements per row
+            state = {k: v.to_local() if isinstance(v, DTensor) else v for k, v in opt.state.get(p, {}).items()}
+            assert p.to_local().shape[0] == end - start, (name, p.to_local().shape, start, end)
+            add(name, start * width, end * width, p.to_local().reshape(-1), state)
     elif isinstance(opt, zerokit.ZeRO1Adam):  # the lessons' contract: m, v and a step count per parameter
         for sh in opt.state_shards():
             for s in sh.bucket.segments:
@@ -208,6 +248,9 @@ def _load(rank, world, root, truth):
                 continue
             state, after = truth[source]
             run, saved, opt = make(target, opt_name, seed=7)  # other weights: the load must overwrite them
+            if target in ("fs", "fsdp", "torch-fsdp"):  # the root keeps its gathered weights after this forward
+                with torch.no_grad():
+                    run(rank_slice(batch("edge", 0, BATCH)[0], rank, world))
             ckpt.load(root / f"{n}-{wrapper}-{opt_name}", saved, opt)
             problems += differences(*held(saved, opt), state, f"{source} -> {world} x {target}")
             train(run, opt, SAVE_AT, MORE, rank, world)

@@ -3,6 +3,7 @@ model-state bytes of real optimizers against that theory (fp32: 4Ψ + 4Ψ + 8Ψ)
 """
 
 import gc
+import math
 import warnings
 
 import pytest
@@ -133,6 +134,37 @@ def stage_census_worker(rank, world_size):
         out[stage] = {"psi": psi, "census": {k: c[k] for k in CATS},
                       "buckets": len(getattr(opt, "buckets", []))}
         del model, opt
+    out["fsdp2"] = fsdp_census(rank, world_size)
+    return out
+
+
+def fsdp_census(rank, world_size):
+    """census() of big_mlp under each FSDP2 (every Linear a unit, then the root) with torch's AdamW, after
+    backward and step(): {impl: census}, and this rank's (elements per row, padded rows, rows held) of every
+    parameter, as torch.chunk cuts dim 0 (FSDP2's layout), for the expected bytes."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    out = {}
+    for impl in ("FullyShard", "fully_shard", "torch"):
+        gc.collect()
+        model = big_mlp()
+        rows = []
+        for p in model.parameters():
+            chunks = torch.arange(p.shape[0]).chunk(world_size)
+            rows.append((math.prod(p.shape[1:]), len(chunks[0]), len(chunks[rank]) if rank < len(chunks) else 0))
+        if impl == "FullyShard":
+            model = zerokit.FullyShard(model)
+        else:
+            shard = zerokit.fully_shard if impl == "fully_shard" else torch_fully_shard
+            for layer in model:
+                if isinstance(layer, nn.Linear):
+                    shard(layer)
+            shard(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+        one_step(model, opt, rank, world_size)
+        c = zerokit.census(model, opt)
+        out[impl] = {"census": {k: c[k] for k in CATS}, "rows": rows}
+        del model, opt
     return out
 
 
@@ -140,7 +172,8 @@ def stage_census_worker(rank, world_size):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_census_per_rank_matches_stage_theory(world_size):
-    """Per rank, after backward and step(): each category within 5% of theory_bytes(stage, N).
+    """Per rank, after backward and step(): each category within 5% of theory_bytes(stage, N), for the
+    lessons' stages and for the three FSDP2s (exactly their DTensors' local bytes: see below).
 
     What the stages legitimately hold beyond Ψ-proportional theory, all far below 5% here:
     - padding: each flat buffer aligns every parameter and every shard (zerokit.flat), under one
@@ -169,6 +202,19 @@ def test_census_per_rank_matches_stage_theory(world_size):
         assert got["zero2"]["census"]["gradients"] < 4 * psi / n * 1.01
         assert got["zero3"]["census"]["parameters"] < 4 * psi / n * 1.01
         assert got["zero2"]["buckets"] > 1
+        # FSDP2's layout (zerokit.FullyShard, zerokit.fully_shard, torch's fully_shard): every parameter,
+        # gradient and AdamW state a DTensor, which has no storage of its own, counted by its local rows.
+        # Exactly: a parameter shard padded to ceil(R / N) rows on every rank, its gradient shard too (reduced
+        # into the padded layout); m and v the rows the rank holds (zeros_like of the DTensor), and a 4-byte
+        # step count per parameter. And within 5% of theory_bytes("zero3").
+        for impl, g in got["fsdp2"].items():
+            c, rows = g["census"], g["rows"]
+            padded = sum(4 * width * ceil_rows for width, ceil_rows, _ in rows)
+            held = sum(8 * width * mine for width, _, mine in rows) + 4 * len(rows)
+            assert (c["parameters"], c["gradients"], c["optimizer_states"]) == (padded, padded, held), (rank, impl, c)
+            theory = theory_bytes(psi, "zero3", n, "fp32")
+            for cat in CATS:
+                assert within(c[cat], theory[cat]), (rank, impl, cat, c[cat], theory[cat])
 
 
 @pytest.mark.timeout(60)

@@ -43,6 +43,7 @@ from a forward.
 import functools
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import checkpoint
 
@@ -62,6 +63,12 @@ def in_backward() -> bool:
 def _storage_key(t):
     s = t.untyped_storage()
     return s.device.type, s.data_ptr()
+
+
+@torch.no_grad()  # to_local() would record an autograd node
+def _local(t):
+    """The tensor that holds t's bytes: a DTensor's local tensor (fully_shard's parameters), else t itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class SavedActivations:
@@ -97,7 +104,8 @@ class SavedActivations:
     def _parameter_keys(self):
         if self.model is None:
             return set()
-        return {_storage_key(p) for p in self.model.parameters() if p.untyped_storage().nbytes()}
+        params = [_local(p) for p in self.model.parameters()]  # a sharded parameter (a DTensor): its local rows
+        return {_storage_key(p) for p in params if p.untyped_storage().nbytes()}
 
     def _pack(self, t):
         if t.device.type == "meta" or t.untyped_storage().nbytes() == 0:

@@ -173,7 +173,7 @@ class _BringYourOwn:
 @dataclass
 class SegmentShard:
     """One bucket's state on this rank where a torch optimizer steps this rank's shard through
-    segment Parameters (ZeRO1/ZeRO2 here, zerokit.FullyShard): what a checkpoint reads and fills.
+    segment Parameters (ZeRO1/ZeRO2): what a checkpoint reads and fills.
 
     bucket: the FlatBucket (its parameters, their offsets, this rank's segments).
     group: the index of the bucket's param group (None: the user's optimizer knows its own groups).

@@ -14,7 +14,9 @@ and $K = 8$ (m and v; the fp32 weights are their own master copy). On N ranks:
 
 Measurement. `census()` finds every live tensor of the process through Python's garbage
 collector (plus each parameter's .grad), counts each underlying storage once, and files it
-under the first category that claims it: a model parameter's storage is "parameters", a
+under the first category that claims it (a DTensor, as zerokit.fully_shard's and FSDP2's
+parameters, gradients and optimizer state are, has no storage of its own: it is counted by
+its local tensor, this rank's rows): a model parameter's storage is "parameters", a
 .grad's is "gradients", what the optimizer holds is "optimizer_states" (its `state`, or
 what a zerokit optimizer lists in `memory_categories()`), and everything else live is
 "other" (data, activations kept by Python, buffers). `memory_categories()` is the one way
@@ -37,6 +39,7 @@ import gc
 from collections import defaultdict
 
 import torch
+from torch.distributed.tensor import DTensor
 
 __all__ = ["CATEGORIES", "theory_bytes", "census", "MemoryProbe", "PeakRSS", "resident_bytes",
            "settled_resident_bytes", "format_bytes"]
@@ -72,8 +75,16 @@ def format_bytes(n: float) -> str:
         n /= 1024
 
 
+@torch.no_grad()  # to_local() of a parameter would otherwise record an autograd node per call
+def _local(t):
+    """The tensor that holds t's bytes: a DTensor's local tensor (a wrapper has no storage), else t."""
+    while isinstance(t, DTensor):
+        t = t.to_local()
+    return t
+
+
 def _storage_key(t):
-    s = t.untyped_storage()
+    s = _local(t).untyped_storage()
     return (s.device.type, s.data_ptr()), s.nbytes()
 
 

@@ -67,7 +67,8 @@ SAVES_BEFORE_STEP = solution_with(
 NO_BARRIER = solution_with("            dist.barrier()\n", "            # BUG: no barrier: the others go on before train.json exists\n")
 
 # torch's clipping on what this rank holds: at stage 1 its own gradient, not yet averaged over the ranks,
-# clipped by its own norm (at stage 3 its shard; at stage 2 nothing, the gradient already reduce-scattered).
+# clipped by its own norm (at stage 2 nothing, the gradient already reduce-scattered; at stage 3 it is right:
+# FullyShard's .grad are DTensors, whose norm torch takes over every rank's rows).
 TORCH_CLIP = solution_with("            clip_(cfg, model, opt)\n",
                            "            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)  # BUG: this rank's\n")
 

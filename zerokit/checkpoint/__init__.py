@@ -12,9 +12,10 @@ This file is the lesson's reference (save, load, consolidate, and the exercises'
 shard_reads, covering); its parts sit beside it: files.py (bytes written and read without
 copies, atomically, a COMPLETE marker, one error on every rank), state.py (one view of every
 stage's shards, for saving and loading), optimizers.py (beyond the lesson: any elementwise
-torch optimizer's state, under zerokit.ZeRO1/ZeRO2, DataParallel or FullyShard), stream.py
-(build a ZeRO-3 model from a checkpoint unit by unit), dcp.py (to and from PyTorch
-Distributed Checkpoint, for FSDP2).
+torch optimizer's state, under zerokit.ZeRO1/ZeRO2, DataParallel, FullyShard or fully_shard),
+rows.py (fully_shard's per-parameter dim-0 shards in this format), stream.py (build a ZeRO-3
+model from a checkpoint unit by unit), dcp.py (to and from PyTorch Distributed Checkpoint, for
+FSDP2, torch's or zerokit's).
 
 **The format.** A checkpoint is a directory (zerokit.checkpoint.files writes it atomically):
 
@@ -63,6 +64,7 @@ import torch.distributed as dist
 from .files import (COMPLETE, METADATA, REPLICATED, CheckpointError, CheckpointMismatch, Reader, agree, commit,
                                partial_dir, rank_file, read_json, write_json, write_tensors)
 from .optimizers import job_of
+from .rows import whole
 from .state import (TENSORS, AdamJob, check_same_model, load_replicated, parameter_names, replicated,
                                saved_kinds, saved_shards)
 from .stream import placeholders, stream_load
@@ -178,7 +180,7 @@ def save(path, model, opt, *, save_shards=save_shards):
     ZeRO's shards (their own bytes go to the file), one shard for DistributedAdam's copies.
     Beyond the lesson, `opt` may be zerokit.ZeRO1/ZeRO2 with any elementwise torch optimizer,
     or any torch optimizer on zerokit.DataParallel or zerokit.FullyShard (then `model` is the
-    wrapper): see zerokit.checkpoint.optimizers.
+    wrapper), or on a model sharded by zerokit.fully_shard: see zerokit.checkpoint.optimizers.
     """
     rank, _ = _rank_world()
     job = job_of(model, opt)  # who holds which state (a clear TypeError for what this cannot save)
@@ -196,21 +198,33 @@ def save(path, model, opt, *, save_shards=save_shards):
 
     def write():
         if isinstance(job, AdamJob):
-            meta = save_shards(partial, model, opt)
-        else:
-            meta = save_any_shards(partial, job, summary)
-        if rank == 0:
-            saved = {p["name"] for b in meta["buckets"] for p in b["params"]}
-            entries = replicated(job.model, saved)
-            meta["replicated"], offset = [], 0
-            for name, t in entries:
-                meta["replicated"].append({"name": name, "dtype": str(t.dtype).removeprefix("torch."),
-                                           "shape": list(t.shape), "offset": offset})
-                offset += t.numel() * t.element_size()
-            write_tensors(partial / REPLICATED, (t for _, t in entries))
-            write_json(partial / METADATA, {**meta, **job.describe(summary)})
+            return save_shards(partial, model, opt)
+        return save_any_shards(partial, job, summary)
 
-    agree(what, write)
+    meta = agree(what, write)  # rank 0's metadata of the buckets (None on the others)
+
+    def write_replicated():
+        # what no shard holds, whole (frozen parameters, buffers); a sharded model's DTensors gathered one at
+        # a time (an all-gather each, on every rank), so every rank walks the same list
+        entries = replicated(job.model, set(job.trained_shapes()))
+        tensors = (whole(t) for _, t in entries)
+        if rank != 0:
+            for _ in tensors:
+                pass
+            return
+        meta["replicated"], offset = [], 0
+        for name, t in entries:
+            meta["replicated"].append({"name": name, "dtype": str(t.dtype).removeprefix("torch."),
+                                       "shape": list(t.shape), "offset": offset})
+            offset += t.numel() * t.element_size()
+        try:
+            write_tensors(partial / REPLICATED, tensors)
+        finally:
+            for _ in tensors:  # a write that failed: the other ranks still wait in the gathers that remain
+                pass
+        write_json(partial / METADATA, {**meta, **job.describe(summary)})
+
+    agree(what, write_replicated)
     agree(what, lambda: commit(partial, path) if rank == 0 else None)
 
 

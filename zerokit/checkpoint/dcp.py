@@ -1,5 +1,9 @@
 """zerokit checkpoints to and from PyTorch Distributed Checkpoint (DCP), for FSDP2 with torch's AdamW.
 
+FSDP2 here is torch's `fully_shard` or zerokit's (lesson 12): both make each parameter a DTensor of
+dim-0 rows, so PyTorch's recipe below (`get_state_dict`, `dcp.load`, `set_state_dict`) runs on
+either unchanged, and a DCP checkpoint one of them saved loads into the other.
+
     zerokit.checkpoint.dcp.to_dcp("ckpt/step100", "dcp/step100")           # one process, no ranks
     # ... then on the FSDP2 ranks, PyTorch's own recipe loads it:
     model_sd, optim_sd = get_state_dict(model, optim)
@@ -108,7 +112,8 @@ def from_dcp(src, dst, model):
     """Write the DCP checkpoint `src` (an FSDP2 model's and torch AdamW's state, saved as
     {"model": ..., "optim": ...}) as a zerokit checkpoint at `dst`, for zerokit.checkpoint.load on
     any number of ranks and any stage. `model`: an instance of the same model (its names, tied
-    weights and buffers; a meta-device instance costs nothing). One process, one tensor at a time."""
+    weights and buffers; a meta-device instance costs nothing; a sharded one serves too: its DTensors
+    have the full shapes). One process, one tensor at a time."""
     keys = _quiet(lambda: FileSystemReader(src).read_metadata()).state_dict_metadata
     groups = _param_groups(src, keys)
     trained = {n: p for n, p in model.named_parameters() if p.requires_grad}

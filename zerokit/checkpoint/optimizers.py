@@ -17,17 +17,20 @@ is refused. The probe also shows the type each number has (the step count: a flo
 on the CPU unless the optimizer is fused or capturable), so a loaded number is made the way X
 makes it.
 
-**Where the state is**, three ways, each described as Pieces: elements [lo, hi) of a named
+**Where the state is**, four ways, each described as Pieces: elements [lo, hi) of a named
 parameter, a view of their weights, and the (optimizer, parameter) whose state holds them.
 - `zerokit.ZeRO1/ZeRO2(params, X)`: per bucket a local X steps this rank's shard through
   segment Parameters (zerokit.elementwise); their state is 1/N of X's.
-- `zerokit.FullyShard(model)` + X: the same segment Parameters, stepped by the user's X.
+- `zerokit.FullyShard(model)`, or a model sharded by `zerokit.fully_shard` calls (or torch's
+  fully_shard), + X: every parameter a DTensor of this rank's dim-0 rows, stepped by the user's
+  X, whose state is DTensors of the same rows. A parameter is a bucket of its own, its rows one
+  contiguous range of it flattened (zerokit.checkpoint.rows).
 - `zerokit.DataParallel(model)` + X (or a plain model in one process): every parameter whole on
   every rank. Each rank writes the 1/N that ZeRO-1 would own; on load every rank reads it all.
 - `zerokit.ZeRO1Muon` (lesson 09): the weights replicated, each matrix's momentum on its owner
   only. Saved as torch.optim.Muon's state in the replicated layout, so the owners of the
   saving world size leave no trace in the files and the next world size's owners read theirs.
-Because every layout is the same flat buckets, a checkpoint of any of them loads into any
+Because every layout is flat buckets read by offsets, a checkpoint of any of them loads into any
 other, at any world size, by names and offsets (zerokit.checkpoint.load); the state of one
 optimizer class never loads into another.
 """
@@ -38,20 +41,22 @@ from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 
 from ..adam import Adam
 from ..data_parallel import DataParallel
 from ..ddp import DistributedAdam
 from ..elementwise import ZeRO1, ZeRO2
 from ..flat import FlatBucket
-from ..fully_shard import FullyShard
+from ..fully_shard import FSDPModule, FullyShard
 from ..muon import ZeRO1Muon
 from ..zero1 import ZeRO1Adam
 from .files import agree
+from .rows import RowBucket, check_row_sharded, is_dtensor, local
 from .state import (ADAMW, AdamJob, Target, aliases, check_optimizer_class, loss_scaler, parameter_names,
                     restore_loss_scaler, saved_kinds, saved_numbers, saved_state_keys)
 
-__all__ = ["job_of", "TorchJob", "Piece", "class_name", "state_template", "IMPLEMENTATION"]
+__all__ = ["job_of", "fsdp_modules", "TorchJob", "Piece", "class_name", "state_template", "IMPLEMENTATION"]
 
 # Param group keys that say how to compute, not what: never saved, never restored.
 IMPLEMENTATION = ("foreach", "fused", "capturable", "differentiable")
@@ -70,14 +75,19 @@ def job_of(model, opt):
         return MuonJob(model, opt)
     if isinstance(opt, (DistributedAdam, ZeRO1Adam)):  # the lessons' Adam: saved as lesson 07 saves it
         return AdamJob(model, opt)
-    if isinstance(model, FullyShard):
-        return FullyShardJob(model, opt)
+    if isinstance(model, FullyShard) or fsdp_modules(model):
+        return DTensorJob(model, opt)  # zerokit.fully_shard's (or torch's) parameters: DTensors of dim-0 rows
     world = dist.get_world_size() if dist.is_initialized() else 1
     if isinstance(model, DataParallel) or world == 1:
         return ReplicatedJob(model, opt)
     raise TypeError(f"zerokit.checkpoint cannot tell which of {world} ranks holds what of a plain model with "
-                    f"{type(opt).__name__}: wrap the model in zerokit.DataParallel or zerokit.FullyShard, or shard the "
-                    "optimizer with zerokit.ZeRO1/ZeRO2")
+                    f"{type(opt).__name__}: wrap the model in zerokit.DataParallel or zerokit.FullyShard (or shard it "
+                    "with zerokit.fully_shard), or shard the optimizer with zerokit.ZeRO1/ZeRO2")
+
+
+def fsdp_modules(model):
+    """The modules of `model` that zerokit.fully_shard or torch's fully_shard sharded (FSDPModules)."""
+    return [m for m in model.modules() if isinstance(m, (FSDPModule, TorchFSDPModule))]
 
 
 def class_name(cls):
@@ -167,8 +177,9 @@ class Piece:
         return {} if self.optimizer is None else self.optimizer.state.get(self.param, {})
 
     def view(self, tensor):
-        """This piece's elements of a tensor shaped like `param` (a view: filling it fills the state)."""
-        return tensor.view(-1)[self.span]
+        """This piece's elements of a tensor shaped like `param` (a view: filling it fills the state); of a
+        DTensor (the state of a DTensor parameter), of its local tensor."""
+        return local(tensor).view(-1)[self.span]
 
 
 class TorchJob:
@@ -291,7 +302,7 @@ class TorchJob:
 
     def _pair_groups(self, saved_groups):
         """{group index: saved group}, matched by the names of the parameters in them; a group with
-        none of its parameters on this rank (FullyShard) goes by its index."""
+        no trained parameter goes by its index."""
         home = {n: i for i, g in enumerate(saved_groups) for n in g["params"]}
         pairs = {}
         for gi, names in enumerate(self.group_names()):
@@ -359,7 +370,7 @@ def _end_to_end(bucket, pieces, kind):
             t = piece.weights
         else:
             t = piece.state().get(kind)
-            t = None if t is None else t.reshape(-1)[piece.span]
+            t = None if t is None else piece.view(t)
         if t is None:
             continue
         yield from _zeros(s.shard_lo - at)
@@ -378,7 +389,7 @@ def _zeros(n):
 
 
 class _Segments(TorchJob):
-    """Shards stepped through segment Parameters: a SegmentShard per bucket (ZeRO1/2, FullyShard)."""
+    """Shards stepped through segment Parameters: a SegmentShard per bucket (ZeRO1/2)."""
 
     def _shards(self):
         raise NotImplementedError
@@ -431,37 +442,71 @@ class ZeROJob(_Segments):
         self.opt.loaded()  # a collective: round the masters, all-gather the weights
 
 
-class FullyShardJob(_Segments):
-    """zerokit.FullyShard(model) + X: X steps the shard parameters (fs.parameters()) directly."""
+class DTensorJob(TorchJob):
+    """zerokit.FullyShard(model), or a model zerokit.fully_shard (or torch's fully_shard) sharded, + any torch
+    optimizer X built on its parameters: each a DTensor of this rank's dim-0 rows (the fp32 shard the
+    optimizer steps), its state DTensors of the same rows. Each trained parameter is a bucket of its own
+    (RowBucket): its rows are one contiguous range of it flattened, rank r's shard of ceil(R / N) rows. What
+    is not trained (frozen parameters) is saved whole, gathered (zerokit.checkpoint.save)."""
 
     stage = "fully_shard"
 
-    def __init__(self, fs, opt):
-        super().__init__(fs, opt, type(opt))
-        self.fs, self.groups = fs, opt.param_groups
-        self.shard_names = {param: name for name, param in fs.named_parameters()}
-        self.group_of = {param: gi for gi, g in enumerate(self.groups) for param in g["params"]}
-        stray = [p for p in self.group_of if p not in self.shard_names]
+    def __init__(self, model, opt):
+        self.wrapper = model if isinstance(model, FullyShard) else None
+        self.reshard(model.module if self.wrapper else model)  # before the names: the model shows its DTensors
+        super().__init__(model, opt, type(opt))
+        self.groups = opt.param_groups
+        self.group_of = {p: gi for gi, g in enumerate(self.groups) for p in g["params"]}
+        stray = [p for p in self.group_of if p not in self.names]
         if stray:
-            raise TypeError(f"{type(opt).__name__} steps {len(stray)} tensors that are not this FullyShard's "
-                            "parameters: build it on fs.parameters()")
+            raise TypeError(f"{type(opt).__name__} steps {len(stray)} tensors that are not the sharded model's "
+                            "parameters: build it on model.parameters()")
+        for p in self._trained():
+            if not is_dtensor(p):
+                raise TypeError(f"{self.names[p]} is a plain tensor in a model sharded by fully_shard (ignored_params?):"
+                                " zerokit.checkpoint saves a sharded model whose trained parameters are all DTensors")
+            try:
+                check_row_sharded(self.names[p], p)
+            except ValueError as exc:
+                raise TypeError(str(exc)) from None
 
-    def _shards(self):
-        return self.fs.state_shards()
+    def _trained(self):
+        """The trained parameters, param group after param group (the same order on every rank)."""
+        return [p for g in self.groups for p in g["params"] if p.requires_grad]
 
-    def _holder(self, shard, param):
-        group = self.group_of.get(param)
-        return (None, None) if group is None else (self.opt, group)
+    def buckets(self, world=None, rank=None):
+        """One RowBucket per trained parameter, with its one piece here (none where this rank holds no row)."""
+        out = []
+        for p in self._trained():
+            bucket = RowBucket(p)
+            rows = local(p).detach().view(-1)  # this rank's rows, the optimizer's: loading writes them
+            out.append((bucket, [Piece(self.names[p], s.param_lo, s.param_hi, rows, self.opt, p, self.group_of[p],
+                                       slice(None)) for s in bucket.segments]))
+        return out
+
+    def pieces(self):
+        return [piece for _, pieces in self.buckets() for piece in pieces]
 
     def group_names(self):
-        return [[self.shard_names[p] for p in g["params"]] for g in self.groups]
+        return [[self.names[p] for p in g["params"] if p.requires_grad] for g in self.groups]
+
+    def trained_shapes(self):
+        return {self.names[p]: p.shape for p in self._trained()}
 
     def describe(self, summary):
-        dtype = self.fs.compute_dtype
+        dtype = None if self.wrapper is None else self.wrapper.compute_dtype
         return {**super().describe(summary), "param_dtype": None if dtype is None else str(dtype).removeprefix("torch.")}
 
+    @staticmethod
+    def reshard(model):
+        """Free every group still gathered (the root keeps its parameters after a forward under no_grad): the
+        modules show the sharded DTensors again, the parameters the optimizer steps (FSDP2's state_dict() does
+        the same), and the next forward gathers what a load wrote into them."""
+        for m in fsdp_modules(model):
+            m.reshard()
+
     def finish_load(self):
-        self.fs.loaded()
+        self.reshard(self.model)
 
 
 class ReplicatedJob(TorchJob):

@@ -28,6 +28,7 @@ from ..zero1 import StateShard, ZeRO1Adam
 from ..zero2 import ZeRO2Adam
 from ..zero3 import ShardedParameters
 from .files import REPLICATED
+from .rows import is_dtensor, local, local_rows
 
 __all__ = ["TENSORS", "HYPER", "ADAMW", "stage_of", "parameter_names", "saved_shards", "Target", "targets",
            "set_steps", "finish_load", "trained_shapes", "check_same_model", "load_replicated", "describe",
@@ -289,7 +290,8 @@ def check_same_model(meta, model, want):
 
 
 def load_replicated(meta, model, reader):
-    """Frozen parameters and buffers, whole on every rank (placeholders get their storage here)."""
+    """Frozen parameters and buffers, whole on every rank (placeholders get their storage here); a
+    sharded model's frozen DTensors, this rank's rows of them."""
     state = model.state_dict(keep_vars=True)
     for e in meta.get("replicated", []):
         t = state[e["name"]]
@@ -298,6 +300,8 @@ def load_replicated(meta, model, reader):
         if getattr(t, "zerokit_placeholder", False):
             t.data = saved.to(t.dtype)
             del t.zerokit_placeholder
+        elif is_dtensor(t):
+            local(t).copy_(local_rows(t, saved))
         else:
             t.data.copy_(saved)
 

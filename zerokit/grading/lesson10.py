@@ -55,7 +55,7 @@ from .kit import refusing
 __all__ = ["check_losses", "check_data", "check_resume", "make_config", "build_stage"]
 
 SITUATIONS = {
-    "zero3": "check_losses: stage=3",  # FullyShard: parameters sharded, gathered per block
+    "zero3": "check_losses: stage=3",  # FullyShard: DTensor parameters (their rows), gathered per block
     "n3": "check_losses: world_size=3",  # 12 sequences on 3 ranks in 2 micro-batches each
     "zero-grad-shard": "n/a: the loop hands the model's gradients to the optimizer whole; which shards are zero is "
                        "the stages' business (lessons 03-05), and a byte-level GPT uses every row it looks up anyway",
@@ -283,7 +283,8 @@ def check_losses(loop, stage=3, world_size=2, steps=4, accum=2, optimizer="sgd",
                        "(torch.nn.utils.clip_grad_norm_ on model.parameters(): at stage 1 .grad holds this rank's "
                        "gradient, not yet reduced): clipping scales the mean gradient of the whole batch by one "
                        "number, from its global norm, the same on every rank. clip_(cfg, model, opt) computes it "
-                       "for each stage")
+                       "for each stage (torch's clip gives it only where .grad is the mean gradient: whole under "
+                       "DataParallel, FullyShard's DTensor rows at stage 3)")
             else:
                 why = ("is each step's gradient the mean over the global batch (each rank its slice, each micro-batch's "
                        "loss divided by cfg.accum), cleared after each optimizer step, clipped when cfg.clip is set, "

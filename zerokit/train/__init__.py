@@ -29,7 +29,8 @@ The stages are the course's, in PyTorch's shapes, with torch.optim.AdamW:
     3  zerokit.FullyShard(model, units=blocks)      (FSDP2 fully_shard)
 --optimizer muon puts the blocks' matrices under Muon (lesson 09: torch.optim.Muon at stage 0,
 zerokit.ZeRO1Muon at stage 1, each matrix owned whole by one rank) and the rest under AdamW;
-ZeRO-2/3 cut the gradients into flat shards and refuse it. --recompute keeps only each
+ZeRO-2 cuts the gradients into flat shards and stage 3 into row shards (a rank holds some rows of
+each matrix, never a whole one), so both refuse it. --recompute keeps only each
 block's input and recomputes the rest in backward (zerokit.checkpoint_modules, lesson 08).
 --precision bf16 computes in bfloat16: autocast for stage 0, zerokit.MixedPrecision (16-bit
 weights, fp32 masters, gradients reduced in fp32) for 1 and 2, FullyShard's compute_dtype for 3.

@@ -151,11 +151,12 @@ def _refuse_combinations(p, args):
         p.error("--offload streams a ZeRO stage's own AdamW state (lesson 08): --stage 1, 2 or 3, with AdamW, "
                 "not --impl torch")
     if args.optimizer == "muon":
-        # Muon orthogonalises each matrix's whole update: ZeRO-2/3 cut gradients and weights into flat
-        # shards, so a rank never holds a whole matrix's gradient to give it (lesson 09)
+        # Muon orthogonalises each matrix's whole update: ZeRO-2 cuts gradients into flat shards, stage 3
+        # into rows (FullyShard's DTensors), so a rank never holds a whole matrix's gradient to give it (lesson 09)
         if args.stage not in (0, 1) or args.impl == "torch":
             p.error("--optimizer muon runs at --stage 0 (DataParallel + torch.optim.Muon) or 1 (zerokit.ZeRO1Muon): "
-                    "Muon needs each matrix's whole gradient, which ZeRO-2/3's flat shards cut (lesson 09)")
+                    "Muon needs each matrix's whole gradient, which ZeRO-2's flat shards and stage 3's row shards "
+                    "cut (lesson 09)")
         if args.stage == 1 and (args.clip is not None or args.precision != "fp32"):
             p.error("--optimizer muon at --stage 1 takes neither --clip (ZeRO1Muon reduces the gradients inside "
                     "step(): there is no mean gradient before it to clip) nor a 16-bit --precision (its matrices stay "

@@ -12,11 +12,13 @@ documented memory options above, which zerokit.bench uses for its peers too.
 
 `holdings` lists the tensors a system holds as parameters, gradients and optimizer state, for
 zerokit.memory.census: zerokit's flat buffers and shards (their memory_categories), DDP's
-parameters, FSDP2's DTensor shards and all-gather buffers, ZeroRedundancyOptimizer's state. The
+parameters, FSDP2's and FullyShard's DTensor shards (by their local tensors) and all-gather buffers,
+ZeroRedundancyOptimizer's state. The
 script's memory table and the bench's per-step accounting both count with it.
 """
 
 import torch
+from torch.distributed.tensor import DTensor
 
 STAGE_PEERS = {
     0: "DDP + AdamW",
@@ -72,8 +74,8 @@ def build_peer(stage, model, *, bf16=False, device=None, reshard_after_forward=N
 
 
 def _local(t):
-    """A DTensor's local shard (FSDP2); a plain tensor as it is."""
-    return getattr(t, "_local_tensor", t)
+    """A DTensor's local shard (FSDP2's, and zerokit.FullyShard's); a plain tensor as it is."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def holdings(model, optimizer) -> dict:
@@ -96,7 +98,7 @@ def holdings(model, optimizer) -> dict:
                     params.append(_local(unsharded))
                     if unsharded.grad is not None:
                         grads.append(_local(unsharded.grad))
-    for owner in (optimizer, model):  # zerokit's optimizers, and FullyShard, list their flat buffers and shards
+    for owner in (optimizer, model):  # zerokit's optimizers list their flat buffers, FullyShard its gathered ones
         declared = getattr(owner, "memory_categories", None)
         if declared is not None:
             cats = declared()

@@ -9,6 +9,7 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from .data import global_batch
 from .options import HALF
@@ -41,9 +42,15 @@ class LossScaling:
     @torch.no_grad()
     def unscale_and_check(self, model):
         """Divide the gradients by the scale; True when every rank's are finite (the step may go on)."""
-        # fp32 gradients: fp32_gradients divides these very tensors (.float() of fp32 is itself)
-        self.precision.fp32_gradients([p.grad for p in model.parameters() if p.grad is not None])
+        # fp32 gradients: fp32_gradients divides these very tensors (.float() of fp32 is itself); FullyShard's
+        # are DTensors, whose local rows are this rank's shard: each rank checks its own, one all-reduce of a flag
+        self.precision.fp32_gradients([_local(p.grad) for p in model.parameters() if p.grad is not None])
         return self.precision.should_step()
+
+
+def _local(t):
+    """A DTensor's local tensor (this rank's rows, the same storage); a plain tensor as it is."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def loss_scaling(args):
@@ -135,16 +142,18 @@ def uses_autocast(args):
 
 def clip_(args, model, opt):
     """Scale the gradient to global norm --clip; the norm before. Each stage knows its gradients:
-    replicated and averaged (0), or disjoint shards whose squares add up over the ranks (1-3: the
-    optimizers' and FullyShard's own clip_grad_norm_)."""
-    if args.impl == "torch":
-        # DDP's gradients are the replicated mean and FSDP2's are DTensor shards: torch's clip knows both
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
-        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-    if args.stage in (1, 2) or args.offload:  # zerokit's ZeRO optimizers clip their own reduced shards
+    replicated and averaged (0), flat shards whose squares add up over the ranks (1, 2: the
+    optimizers' own clip_grad_norm_), or DTensor shards (3: FullyShard's parameters, as FSDP2's),
+    whose norm torch's clip_grad_norm_ takes over every rank's rows itself."""
+    if args.offload:  # the lessons' ZeRO1/2/3Adam clip their own reduced flat shards
         return float(opt.clip_grad_norm_(args.clip))
-    if args.stage == 3:  # FullyShard: the norm over every rank's shard pieces (torch's clip would refuse them)
-        return float(model.clip_grad_norm_(args.clip))
+    if args.impl == "torch" or args.stage == 3:
+        # DDP's gradients are the replicated mean, FSDP2's and FullyShard's DTensor shards: torch's clip knows
+        # both (a DTensor's norm is a collective over the ranks' rows)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+        return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    if args.stage in (1, 2):  # zerokit's ZeRO optimizers clip their own reduced flat shards
+        return float(opt.clip_grad_norm_(args.clip))
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     if not grads:
         sq = torch.zeros((), device=next(model.parameters()).device)
