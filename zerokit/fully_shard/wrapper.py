@@ -23,9 +23,20 @@ __all__ = ["FullyShard", "default_units"]
 
 
 def default_units(model):
-    """Every module below the root that directly owns a trainable parameter, innermost first."""
-    return [m for m in reversed(list(model.modules()))
-            if m is not model and any(p.requires_grad for p in m.parameters(recurse=False))]
+    """Every module below the root that directly owns a trainable parameter, innermost first; but a module
+    that shares a parameter with one outside it (a tied embedding and head) is left to the root, as one
+    fully_shard call must hold every place of a parameter."""
+    owners = {}
+    for m in model.modules():
+        for p in m.parameters(recurse=False):
+            owners.setdefault(p, []).append(m)
+    units = []
+    for m in reversed(list(model.modules())):
+        inside = set(m.modules())
+        if m is not model and any(p.requires_grad for p in m.parameters(recurse=False)) \
+                and all(o in inside for p in m.parameters(recurse=False) for o in owners[p]):
+            units.append(m)
+    return units
 
 
 def _depth(model, unit):
