@@ -35,6 +35,13 @@ Figures, per world size and policy, zerokit / torch:
 - **comm MiB**: bytes per rank per step, the ZeRO paper's convention (zerokit.CommCounter).
 
 Output: the table on stdout and `bench-results/fsdp2.json` (every step's time, every rank's peak).
+
+`--profile K`: after the timed steps, K more steps of each system (in turns, untimed) under two
+profilers on every rank, rank 0's figures printed per step: cProfile's time in each function of
+the two machineries (zerokit/fully_shard/ and torch/distributed/fsdp/_fully_shard/, cumulative:
+a hook with what it calls), and torch.profiler's self CPU time per operator (aten and c10d), the
+operators where the two differ most first. Where a ratio is above 1, this says in which calls
+zerokit's time goes.
 """
 
 import argparse
@@ -138,11 +145,13 @@ def worker(rank, world_size, opts):
                 for _ in range(min(chunk, steps - start)):
                     runs[impl].train(timed=True)
             turns.append(min(chunk, steps - start))
+        profiles = _profile(runs, impls, opts["profile"]) if opts["profile"] else None
         results = {impl: run.result() for impl, run in runs.items()}
         weights = {impl: _full_weights(run.model) for impl, run in runs.items()}
         same = all(torch.equal(weights["zerokit"][n], w) for n, w in weights["torch"].items())
         apart = max((weights["zerokit"][n] - w).abs().max().item() for n, w in weights["torch"].items())
-        out.append({"policy": name, "turns": turns, "runs": results, "weights_bitwise": same, "weights_apart": apart})
+        out.append({"policy": name, "turns": turns, "runs": results, "weights_bitwise": same, "weights_apart": apart,
+                    "profile": profiles})
         if rank == 0:
             med = {impl: statistics.median(r["step_times_s"]) * 1e3 for impl, r in results.items()}
             print(f"[{i + 1}/{len(opts['policies'])}] N={world_size} {name}: zerokit {med['zerokit']:.1f} ms, "
@@ -153,6 +162,68 @@ def worker(rank, world_size, opts):
             torch.cuda.empty_cache()
     return {"rank": rank, "device": str(device), "backend": dist.get_backend(), "policies": out,
             "psi": sum(p.numel() for p in make_model(opts["model"], "cpu", opts["seed"]).parameters())}
+
+
+# the files of each machinery, as cProfile names them
+MACHINERY = {"zerokit": ("zerokit/fully_shard/",), "torch": ("torch/distributed/fsdp/_fully_shard/",)}
+
+
+def _profile(runs, impls, steps):
+    """`steps` more steps of each system under cProfile, then under torch.profiler: per step, seconds in each
+    function of its machinery (cumulative) and self CPU seconds per operator."""
+    import cProfile
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+
+    out = {}
+    for impl in impls:
+        run = runs[impl]
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(steps):
+            run.train()
+        prof.disable()
+        functions = []
+        for (file, line, func), (_, calls, _, cumulative, _) in pstats.Stats(prof).stats.items():
+            where = file.replace("\\", "/")
+            if any(part in where for part in MACHINERY[impl]):
+                functions.append({"function": f"{where.rsplit('/', 1)[-1]}:{line} {func}", "calls": calls / steps,
+                                  "cumulative_s": cumulative / steps})
+        with profile(activities=[ProfilerActivity.CPU]) as p:
+            for _ in range(steps):
+                run.train()
+        # operators only: the two machineries label their regions differently (FSDP2's record_function
+        # scopes, zerokit's none), and a scope's self time is the waits and Python inside it
+        operators = [{"op": e.key, "calls": e.count / steps, "self_cpu_s": e.self_cpu_time_total / 1e6 / steps}
+                     for e in p.key_averages() if e.key.startswith(("aten::", "c10d::"))]
+        out[impl] = {"functions": sorted(functions, key=lambda f: -f["cumulative_s"]),
+                     "operators": sorted(operators, key=lambda o: -o["self_cpu_s"])}
+    return out
+
+
+def format_profile(row, top=12):
+    """Rank 0's profile of one row: each machinery's functions, and the operators side by side."""
+    prof = row["profile"]
+    lines = [f"N = {row['world_size']}, {row['policy']}: per step, rank 0 (profilers on: slower than the timed steps)"]
+    for impl in IMPLS:
+        lines.append(f"  {LABELS[impl]}'s machinery, cumulative ms per step (calls):")
+        lines += [f"    {f['cumulative_s'] * 1e3:8.2f} ({f['calls']:5.0f})  {f['function']}"
+                  for f in prof[impl]["functions"][:top]]
+    ops = {impl: {o["op"]: o for o in prof[impl]["operators"]} for impl in IMPLS}
+    names = sorted(set(ops["zerokit"]) | set(ops["torch"]),
+                   key=lambda n: -abs(ops["zerokit"].get(n, {}).get("self_cpu_s", 0)
+                                      - ops["torch"].get(n, {}).get("self_cpu_s", 0)))
+    lines.append(f"  {'operator, self CPU ms per step (calls)':44s} {'zerokit':>16s} {'torch':>16s} {'difference':>10s}")
+    for n in names[:top]:
+        z, t = ops["zerokit"].get(n, {}), ops["torch"].get(n, {})
+        zs, ts = z.get("self_cpu_s", 0.0), t.get("self_cpu_s", 0.0)
+        lines.append(f"  {n[:44]:44s} {zs * 1e3:8.2f} ({z.get('calls', 0):5.0f}) {ts * 1e3:8.2f} ({t.get('calls', 0):5.0f})"
+                     f" {(zs - ts) * 1e3:+10.2f}")
+    total = {impl: sum(o["self_cpu_s"] for o in prof[impl]["operators"]) for impl in IMPLS}
+    lines.append(f"  {'all aten and c10d operators':44s} {total['zerokit'] * 1e3:8.2f} {'':7s} {total['torch'] * 1e3:8.2f} {'':7s} "
+                 f"{(total['zerokit'] - total['torch']) * 1e3:+10.2f}")
+    return "\n".join(lines)
 
 
 def _turn_ratios(mine, theirs, turns):
@@ -180,6 +251,8 @@ def summarize(per_rank, world_size):
                 "step_time_s": {"median": statistics.median(steps[impl]), "quartiles": quartiles(steps[impl]),
                                 "min": min(steps[impl]), "max": max(steps[impl]), "per_step_slowest_rank": steps[impl]},
                 "peak_bytes_per_rank": peaks, "peak_bytes": max(peaks),
+                # the sample where each rank's total was highest: its categories and the operation before it
+                "at_peak_per_rank": [r["memory"]["at_peak"] for r in results],
                 "comm_bytes": max(r["comm"]["volume_bytes"] for r in results),
                 "comm_calls": results[0]["comm"]["calls"],
                 "train_losses_per_rank": [r["train_losses"] for r in results],
@@ -197,6 +270,7 @@ def summarize(per_rank, world_size):
             mine["final_loss"] == theirs["final_loss"]
         row["weights_bitwise"] = all(r["weights_bitwise"] for r in ranks)
         row["weights_apart"] = max(r["weights_apart"] for r in ranks)
+        row["profile"] = ranks[0]["profile"]  # rank 0's (None without --profile)
         rows.append(row)
     return rows
 
@@ -245,7 +319,7 @@ def format_table(summary):
 
 
 def run(world_sizes=(2, 4), model="small", policies=DEFAULT_POLICIES, steps=20, warmup=2, chunk=2, seed=0,
-        launcher="forkserver", timeout=1800.0, out_dir="bench-results", echo=True, **model_overrides):
+        launcher="forkserver", timeout=1800.0, out_dir="bench-results", echo=True, profile=0, **model_overrides):
     """The FSDP2 bench from Python: one launch per world size; returns the summary (also in fsdp2.json)."""
     unknown = [p for p in policies if p not in POLICY_DTYPES]
     if unknown:
@@ -255,7 +329,7 @@ def run(world_sizes=(2, 4), model="small", policies=DEFAULT_POLICIES, steps=20, 
                          f"{sorted(k for k, v in MODELS.items() if v.get('kind') != 'mlp')}, not {model!r}")
     model_cfg = dict(MODELS[model], **{k: v for k, v in model_overrides.items() if v is not None})
     opts = {"model": model_cfg, "policies": list(policies), "steps": steps, "warmup": warmup, "chunk": chunk,
-            "seed": seed, "node_size": 1}
+            "seed": seed, "node_size": 1, "profile": profile}
     t0 = time.perf_counter()
     rows, first = [], None
     bar = progress(total=len(world_sizes) * len(policies), desc="fsdp2 bench") if echo else None
@@ -306,12 +380,18 @@ def main(argv=None):
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds for each world size's run")
     p.add_argument("--out", default="bench-results", help="folder for fsdp2.json")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", type=int, default=0, metavar="K",
+                   help="then K more steps of each system under cProfile and torch.profiler: where the time goes")
     a = p.parse_args(argv)
     summary = run(world_sizes=a.world_sizes, model=a.model, policies=a.policies, steps=a.steps, warmup=a.warmup,
-                  chunk=a.chunk, seed=a.seed, launcher=a.launcher, timeout=a.timeout, out_dir=a.out,
+                  chunk=a.chunk, seed=a.seed, launcher=a.launcher, timeout=a.timeout, out_dir=a.out, profile=a.profile,
                   dim=a.dim, n_layers=a.n_layers, seq_len=a.seq_len, batch=a.batch)
     print()
     print(format_table(summary))
+    for row in summary["rows"]:
+        if row["profile"]:
+            print()
+            print(format_profile(row))
     print()
     print(f"wrote {summary['files']['json']} in {summary['meta']['wall_time_s']:.0f} s")
     return 0
