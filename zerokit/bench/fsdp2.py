@@ -32,15 +32,18 @@ Figures, per world size and policy, zerokit / torch:
   process held before the system was built (CPU: glibc's allocated bytes, sampled after every
   tensor operation; GPU: `torch.cuda.max_memory_allocated`), model state, activations and
   communication buffers alike;
+- **CPU ms/step**: the busiest rank's CPU time in each timed step (all its threads), the median:
+  on a machine with more ranks than free cores the wall time is mostly waiting for a core, and the
+  CPU time is the work each system asks for;
 - **comm MiB**: bytes per rank per step, the ZeRO paper's convention (zerokit.CommCounter).
 
 Output: the table on stdout and `bench-results/fsdp2.json` (every step's time, every rank's peak).
 
 `--profile K`: after the timed steps, K more steps of each system (in turns, untimed) under two
 profilers on every rank, rank 0's figures printed per step: cProfile's time in each function of
-the two machineries (zerokit/fully_shard/ and torch/distributed/fsdp/_fully_shard/, cumulative:
-a hook with what it calls), and torch.profiler's self CPU time per operator (aten and c10d), the
-operators where the two differ most first. Where a ratio is above 1, this says in which calls
+the two machineries (zerokit/fully_shard/ and torch/distributed/fsdp/_fully_shard/, cumulative
+CPU time: a hook with what it calls), and torch.profiler's self time per operator (aten and c10d,
+wall clock, and how many calls), the operators where the two differ most first. Where a ratio is above 1, this says in which calls
 zerokit's time goes.
 """
 
@@ -179,7 +182,7 @@ def _profile(runs, impls, steps):
     out = {}
     for impl in impls:
         run = runs[impl]
-        prof = cProfile.Profile()
+        prof = cProfile.Profile(time.process_time)  # CPU time: a loaded machine's waits are not the code's
         prof.enable()
         for _ in range(steps):
             run.train()
@@ -207,14 +210,14 @@ def format_profile(row, top=12):
     prof = row["profile"]
     lines = [f"N = {row['world_size']}, {row['policy']}: per step, rank 0 (profilers on: slower than the timed steps)"]
     for impl in IMPLS:
-        lines.append(f"  {LABELS[impl]}'s machinery, cumulative ms per step (calls):")
+        lines.append(f"  {LABELS[impl]}'s machinery, cumulative CPU ms per step (calls):")
         lines += [f"    {f['cumulative_s'] * 1e3:8.2f} ({f['calls']:5.0f})  {f['function']}"
                   for f in prof[impl]["functions"][:top]]
     ops = {impl: {o["op"]: o for o in prof[impl]["operators"]} for impl in IMPLS}
     names = sorted(set(ops["zerokit"]) | set(ops["torch"]),
                    key=lambda n: -abs(ops["zerokit"].get(n, {}).get("self_cpu_s", 0)
                                       - ops["torch"].get(n, {}).get("self_cpu_s", 0)))
-    lines.append(f"  {'operator, self CPU ms per step (calls)':44s} {'zerokit':>16s} {'torch':>16s} {'difference':>10s}")
+    lines.append(f"  {'operator, self ms per step (calls)':44s} {'zerokit':>16s} {'torch':>16s} {'difference':>10s}")
     for n in names[:top]:
         z, t = ops["zerokit"].get(n, {}), ops["torch"].get(n, {})
         zs, ts = z.get("self_cpu_s", 0.0), t.get("self_cpu_s", 0.0)
@@ -246,10 +249,12 @@ def summarize(per_rank, world_size):
         for impl in IMPLS:
             results = [r["runs"][impl] for r in ranks]
             steps[impl] = [max(t) for t in zip(*(r["step_times_s"] for r in results))]  # the slowest rank's
+            cpu = [max(t) for t in zip(*(r["step_cpu_s"] for r in results))]  # the busiest rank's CPU seconds
             peaks = [r["memory"]["total"] for r in results]
             row[impl] = {
                 "step_time_s": {"median": statistics.median(steps[impl]), "quartiles": quartiles(steps[impl]),
                                 "min": min(steps[impl]), "max": max(steps[impl]), "per_step_slowest_rank": steps[impl]},
+                "cpu_time_s": {"median": statistics.median(cpu), "quartiles": quartiles(cpu), "per_step_busiest_rank": cpu},
                 "peak_bytes_per_rank": peaks, "peak_bytes": max(peaks),
                 # the sample where each rank's total was highest: its categories and the operation before it
                 "at_peak_per_rank": [r["memory"]["at_peak"] for r in results],
@@ -263,6 +268,7 @@ def summarize(per_rank, world_size):
         row["ratios"] = {
             "time": mine["step_time_s"]["median"] / theirs["step_time_s"]["median"],
             "time_per_turn": turn, "time_per_turn_quartiles": quartiles(turn),
+            "cpu_time": mine["cpu_time_s"]["median"] / theirs["cpu_time_s"]["median"],
             "memory": mine["peak_bytes"] / max(theirs["peak_bytes"], 1),
             "comm": mine["comm_bytes"] / theirs["comm_bytes"] if theirs["comm_bytes"] else None,
         }
@@ -289,6 +295,7 @@ def format_table(summary):
         f"turns of {meta['chunk']} after {meta['warmup']} warm-up + 1 instrumented",
         "",
         f"{'N':>2s} {'policy':11s} | {'ms/step zerokit':>21s} {'torch':>21s} {'ratio':>6s} {'per turn':>11s} | "
+        f"{'CPU ms zerokit':>14s} {'torch':>7s} {'ratio':>6s} | "
         f"{'peak MiB/rank zerokit':>21s} {'torch':>6s} {'ratio':>6s} | {'comm MiB z / t':>15s} | bitwise",
     ]
     for r in summary["rows"]:
@@ -303,12 +310,15 @@ def format_table(summary):
             f"NO (weights {r['weights_apart']:.1e} apart)"
         lines.append(
             f"{r['world_size']:2d} {r['policy']:11s} | {ms(z):>21s} {ms(t):>21s} {q['time']:6.2f} "
-            f"{turn[0]:5.2f}-{turn[1]:4.2f} | {_mib(z['peak_bytes']):21.2f} {_mib(t['peak_bytes']):6.2f} "
+            f"{turn[0]:5.2f}-{turn[1]:4.2f} | {z['cpu_time_s']['median'] * 1e3:14.1f} "
+            f"{t['cpu_time_s']['median'] * 1e3:7.1f} {q['cpu_time']:6.2f} | {_mib(z['peak_bytes']):21.2f} {_mib(t['peak_bytes']):6.2f} "
             f"{q['memory']:6.2f} | {_mib(z['comm_bytes']):6.2f} / {_mib(t['comm_bytes']):6.2f} | {bitwise}")
     lines += [
         "",
         "ms/step: the median over the timed steps of the slowest rank's step (p25-p75); ratio: zerokit's median over "
         "torch's; per turn: p25-p75 of each turn's zerokit median over the same turn's torch median.",
+        "CPU ms: the median over the timed steps of the busiest rank's CPU time in the step (all its threads): "
+        "the work, without the waits a loaded machine adds to the wall time.",
         "peak MiB/rank: the highest rank's peak over one instrumented step, above what the process held before the "
         "system was built (CPU: glibc's allocated bytes after every tensor operation; GPU: "
         "torch.cuda.max_memory_allocated).",
