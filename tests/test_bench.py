@@ -181,7 +181,7 @@ def test_fsdp2_bench_prints_both_systems_at_two_and_four_ranks_with_finite_figur
         where = (r["world_size"], r["policy"])
         for impl in ("zerokit", "torch"):
             s = r[impl]
-            assert len(s["step_time_s"]["per_step_slowest_rank"]) == 2, where  # the timed steps, each the slowest rank's
+            assert len(s["step_time_s"]["per_step_slowest_rank"]) == 2, where  # each timed step: the slowest rank's
             times = [s["step_time_s"]["median"], *s["step_time_s"]["quartiles"], s["cpu_time_s"]["median"]]
             assert all(math.isfinite(t) and t > 0 for t in times), (where, impl, times)
             assert len(s["peak_bytes_per_rank"]) == r["world_size"], where

@@ -166,8 +166,8 @@ def _reshard(rank, world_size):
             opt.zero_grad()
             losses.append(loss.item())
             steps.append({"at_rest": at_rest, "held": after_forward, "fwd_ag": fwd.node_split(NODE, "all_gather"),
-                          "bwd_ag": bwd.node_split(NODE, "all_gather"), "bwd_rs": bwd.node_split(NODE, "reduce_scatter"),
-                          "bwd_ag_calls": bwd.count("all_gather")})
+                          "bwd_ag": bwd.node_split(NODE, "all_gather"),
+                          "bwd_rs": bwd.node_split(NODE, "reduce_scatter"), "bwd_ag_calls": bwd.count("all_gather")})
         out[control] = {"losses": losses, "steps": steps, "weights": full_weights(model)}
     return out
 
@@ -296,8 +296,8 @@ def _in_place(rank, world_size):
     for step in range(3):
         loss_of(model, rank, step).backward()
         # what a test written for FSDP2 reads after backward: every parameter's gradient, a DTensor like it
-        steps.append({n: None if p.grad is None else (type(p.grad).__name__, tuple(p.grad.shape), str(p.grad.placements),
-                                                      tuple(p.grad.to_local().shape))
+        steps.append({n: None if p.grad is None else (type(p.grad).__name__, tuple(p.grad.shape),
+                                                      str(p.grad.placements), tuple(p.grad.to_local().shape))
                       for n, p in model.named_parameters()})
         opt.step()
         opt.zero_grad(set_to_none=step % 2 == 0)
@@ -316,7 +316,8 @@ def _in_place(rank, world_size):
         refused.append(str(info.value))
     return {"same": same, "kinds": [isinstance(m, FSDPModule) for m in [model] + layers(model)],
             "class": type(model).__name__, "is_uneven": isinstance(model, Uneven), "shapes": shapes, "shown": shown,
-            "steps": steps, "optimizer_got": [p is q for p, q in zip(opt.param_groups[0]["params"], model.parameters())],
+            "steps": steps,
+            "optimizer_got": [p is q for p, q in zip(opt.param_groups[0]["params"], model.parameters())],
             "numel": sum(p.to_local().numel() for p in model.parameters()), "full": full_weights(model),
             "shell": shell.full_parameters(), "state": state, "refused": refused}
 
@@ -361,7 +362,8 @@ def _clip(rank, world_size):
 
 CASES = {"reshard": _reshard, "refused": _refused, "accumulate": _accumulate, "units": _units,
          "in_place": _in_place, "clip": _clip}
-LAUNCHES = {2: ("accumulate", "units", "in_place", "clip"), 3: ("in_place", "clip"), 4: ("reshard", "refused", "accumulate")}
+LAUNCHES = {2: ("accumulate", "units", "in_place", "clip"), 3: ("in_place", "clip"),
+            4: ("reshard", "refused", "accumulate")}
 
 
 def _cases(rank, world_size, names):

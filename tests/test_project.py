@@ -75,7 +75,7 @@ COURSE_MODULES = {"adam", "ddp", "flat", "zero1", "zero2", "zero3", "mixed_preci
 # a lesson whose reference needs more than one file gets a package of its own (its __init__
 # is the reference, the rest are its parts)
 COURSE_PACKAGES = {"checkpoint",
-                   "fully_shard",  # FullyShard and fully_shard (__init__), sharding, reshard (hpZ), clip (issue 41)
+                   "fully_shard",  # FSDP2's design (param, collectives, group, state, api), FullyShard, reshard (hpZ)
                    "train"}  # the capstone's script: the course's pieces in one training job
 COURSE = COURSE_MODULES | COURSE_PACKAGES
 WINGS = {"launcher", "grading", "bench"}

@@ -43,8 +43,8 @@ Output: the table on stdout and `bench-results/fsdp2.json` (every step's time, e
 profilers on every rank, rank 0's figures printed per step: cProfile's time in each function of
 the two machineries (zerokit/fully_shard/ and torch/distributed/fsdp/_fully_shard/, cumulative
 CPU time: a hook with what it calls), and torch.profiler's self time per operator (aten and c10d,
-wall clock, and how many calls), the operators where the two differ most first. Where a ratio is above 1, this says in which calls
-zerokit's time goes.
+wall clock, and how many calls), the operators where the two differ most first. Where a ratio is
+above 1, this says in which calls zerokit's time goes.
 """
 
 import argparse
@@ -221,11 +221,11 @@ def format_profile(row, top=12):
     for n in names[:top]:
         z, t = ops["zerokit"].get(n, {}), ops["torch"].get(n, {})
         zs, ts = z.get("self_cpu_s", 0.0), t.get("self_cpu_s", 0.0)
-        lines.append(f"  {n[:44]:44s} {zs * 1e3:8.2f} ({z.get('calls', 0):5.0f}) {ts * 1e3:8.2f} ({t.get('calls', 0):5.0f})"
-                     f" {(zs - ts) * 1e3:+10.2f}")
+        lines.append(f"  {n[:44]:44s} {zs * 1e3:8.2f} ({z.get('calls', 0):5.0f}) "
+                     f"{ts * 1e3:8.2f} ({t.get('calls', 0):5.0f}) {(zs - ts) * 1e3:+10.2f}")
     total = {impl: sum(o["self_cpu_s"] for o in prof[impl]["operators"]) for impl in IMPLS}
-    lines.append(f"  {'all aten and c10d operators':44s} {total['zerokit'] * 1e3:8.2f} {'':7s} {total['torch'] * 1e3:8.2f} {'':7s} "
-                 f"{(total['zerokit'] - total['torch']) * 1e3:+10.2f}")
+    lines.append(f"  {'all aten and c10d operators':44s} {total['zerokit'] * 1e3:8.2f} {'':7s} "
+                 f"{total['torch'] * 1e3:8.2f} {'':7s} {(total['zerokit'] - total['torch']) * 1e3:+10.2f}")
     return "\n".join(lines)
 
 
@@ -243,8 +243,9 @@ def summarize(per_rank, world_size):
     rows = []
     for i, entry in enumerate(per_rank[0]["policies"]):
         ranks = [r["policies"][i] for r in per_rank]
-        row = {"world_size": world_size, "policy": entry["policy"], "param_dtype": str(POLICY_DTYPES[entry["policy"]][0]),
-               "reduce_dtype": str(POLICY_DTYPES[entry["policy"]][1])}
+        param_dtype, reduce_dtype = POLICY_DTYPES[entry["policy"]]
+        row = {"world_size": world_size, "policy": entry["policy"], "param_dtype": str(param_dtype),
+               "reduce_dtype": str(reduce_dtype)}
         steps = {}
         for impl in IMPLS:
             results = [r["runs"][impl] for r in ranks]
@@ -254,7 +255,8 @@ def summarize(per_rank, world_size):
             row[impl] = {
                 "step_time_s": {"median": statistics.median(steps[impl]), "quartiles": quartiles(steps[impl]),
                                 "min": min(steps[impl]), "max": max(steps[impl]), "per_step_slowest_rank": steps[impl]},
-                "cpu_time_s": {"median": statistics.median(cpu), "quartiles": quartiles(cpu), "per_step_busiest_rank": cpu},
+                "cpu_time_s": {"median": statistics.median(cpu), "quartiles": quartiles(cpu),
+                               "per_step_busiest_rank": cpu},
                 "peak_bytes_per_rank": peaks, "peak_bytes": max(peaks),
                 # the sample where each rank's total was highest: its categories and the operation before it
                 "at_peak_per_rank": [r["memory"]["at_peak"] for r in results],
@@ -311,7 +313,8 @@ def format_table(summary):
         lines.append(
             f"{r['world_size']:2d} {r['policy']:11s} | {ms(z):>21s} {ms(t):>21s} {q['time']:6.2f} "
             f"{turn[0]:5.2f}-{turn[1]:4.2f} | {z['cpu_time_s']['median'] * 1e3:14.1f} "
-            f"{t['cpu_time_s']['median'] * 1e3:7.1f} {q['cpu_time']:6.2f} | {_mib(z['peak_bytes']):21.2f} {_mib(t['peak_bytes']):6.2f} "
+            f"{t['cpu_time_s']['median'] * 1e3:7.1f} {q['cpu_time']:6.2f} | {_mib(z['peak_bytes']):21.2f} "
+            f"{_mib(t['peak_bytes']):6.2f} "
             f"{q['memory']:6.2f} | {_mib(z['comm_bytes']):6.2f} / {_mib(t['comm_bytes']):6.2f} | {bitwise}")
     lines += [
         "",

@@ -505,8 +505,8 @@ def fsdp2(target, out_dir):
         rows.append(Row(f"fsdp2 N=1 {r['policy']} ({summary['meta']['device']})",
                         "zerokit.fully_shard vs torch's, the same calls: final loss within 1e-3; ms/step, peak memory",
                         ok, f"{z['step_time_s']['median'] * 1e3:.1f} vs {t['step_time_s']['median'] * 1e3:.1f} ms/step "
-                            f"({q['time']:.2f}x), peak {z['peak_bytes'] / 2**20:.1f} vs {t['peak_bytes'] / 2**20:.1f} MiB "
-                            f"({q['memory']:.2f}x), {same}"))
+                            f"({q['time']:.2f}x), peak {z['peak_bytes'] / 2**20:.1f} vs "
+                            f"{t['peak_bytes'] / 2**20:.1f} MiB ({q['memory']:.2f}x), {same}"))
     placed = _launch(_default_placement, 1, target.preset)[0]
     want = "cuda:0" if target.gpu else "cpu"
     ok = all(p["parameters"] == [want] and p["output"] == want for p in placed.values()) and \
