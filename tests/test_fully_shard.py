@@ -143,6 +143,28 @@ def reference():
     return run_ranks(_references, 1)[0]
 
 
+def _cases(rank, world_size, names):
+    return {name: CASES[name](rank, world_size) for name in names}
+
+
+# the cases each world size's one launch runs (a launch costs a second or two of start-up on 2 cores)
+LAUNCHES = {2: ("same batch", "split batch", "mixed", "accumulate", "after a failed backward", "memory", "misuse"),
+            3: ("split batch", "edge", "memory")}
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    """ranks(n, case): every rank's result of `case` at world size n, from one launch per world size."""
+    done = {}
+
+    def get(n, case):
+        if n not in done:
+            done[n] = run_ranks(_cases, n, LAUNCHES[n])
+        return [r[case] for r in done[n]]
+
+    return get
+
+
 def _worst(snaps, ref_snaps):
     assert len(snaps) == len(ref_snaps) == STEPS
     worst = 0.0
@@ -157,8 +179,8 @@ def _same_batch(rank, world_size):
 
 
 @pytest.mark.distributed
-def test_two_ranks_on_the_same_batch_are_bitwise_one_process(reference):
-    for rank, results in enumerate(run_ranks(_same_batch, 2)):
+def test_two_ranks_on_the_same_batch_are_bitwise_one_process(reference, ranks):
+    for rank, results in enumerate(ranks(2, "same batch")):
         for name, snaps in results.items():
             for step, (got, want) in enumerate(zip(snaps, reference[("mlp", name)])):
                 bad = [k for k in want if not torch.equal(got[k], want[k])]
@@ -171,10 +193,10 @@ def _split_batch(rank, world_size):
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_ranks_on_their_own_slices_match_one_process_on_the_whole_batch(reference, world_size):
+def test_ranks_on_their_own_slices_match_one_process_on_the_whole_batch(reference, ranks, world_size):
     """Not bitwise: N partial sums add in another order than one matmul over the whole batch."""
     worst = 0.0
-    for results in run_ranks(_split_batch, world_size):
+    for results in ranks(world_size, "split batch"):
         for name, snaps in results.items():
             d = _worst(snaps, reference[("mlp", name)])
             assert d <= 1e-5, (world_size, name, d)
@@ -188,8 +210,8 @@ def _mixed(rank, world_size):
 
 
 @pytest.mark.distributed
-def test_16_bit_compute_matches_one_process_casting_the_same_way(reference):
-    for results in run_ranks(_mixed, 2):
+def test_16_bit_compute_matches_one_process_casting_the_same_way(reference, ranks):
+    for results in ranks(2, "mixed"):
         for dtype, snaps in results.items():
             assert all(t.dtype == torch.float32 for snap in snaps for t in snap.values())
             d = _worst(snaps, reference[("mixed", dtype)])
@@ -215,10 +237,10 @@ def _edge(rank, world_size):
 
 
 @pytest.mark.distributed
-def test_tied_frozen_and_unused_parameters(reference):
+def test_tied_frozen_and_unused_parameters(reference, ranks):
     shapes = {n: tuple(p.shape) for n, p in new_model("edge").named_parameters()}
     n = 3
-    for rank, (snaps, seen, at_rest, frozen0) in enumerate(run_ranks(_edge, n)):
+    for rank, (snaps, seen, at_rest, frozen0) in enumerate(ranks(n, "edge")):
         assert _worst(snaps, reference[("edge", "adamw")]) <= 1e-5
         assert "head.weight" not in at_rest and "embed.weight" in at_rest  # tied: one parameter, its first name
         assert at_rest.keys() == shapes.keys()
@@ -260,8 +282,8 @@ def _accumulate(rank, world_size):
 
 
 @pytest.mark.distributed
-def test_gradient_accumulation_and_a_forward_without_backward(reference):
-    for snaps in run_ranks(_accumulate, 2):
+def test_gradient_accumulation_and_a_forward_without_backward(reference, ranks):
+    for snaps in ranks(2, "accumulate"):
         d = _worst(snaps, reference["accumulate"])
         assert d <= 1e-5, d
 
@@ -291,8 +313,8 @@ def _after_a_failed_backward(rank, world_size):
 
 
 @pytest.mark.distributed
-def test_a_backward_that_raised_leaves_nothing_behind_after_reset_iter_state(reference):
-    for snaps in run_ranks(_after_a_failed_backward, 2):
+def test_a_backward_that_raised_leaves_nothing_behind_after_reset_iter_state(reference, ranks):
+    for snaps in ranks(2, "after a failed backward"):
         assert _worst(snaps, reference[("mlp", "sgd")]) <= 1e-5
 
 
@@ -325,12 +347,12 @@ def _padded(shape, n):
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_each_rank_holds_its_rows_of_every_parameter(world_size):
+def test_each_rank_holds_its_rows_of_every_parameter(ranks, world_size):
     """...padded to ceil(rows / N), and pays ZeRO-3's traffic for it: each unit (an OddMLP layer: its weight
     and bias) all-gathered for forward, freed, gathered again for backward, its gradients reduce-scattered,
     each collective N times the unit's padded shards."""
     n = world_size
-    results = run_ranks(_memory, n)
+    results = ranks(n, "memory")
     for rank, (psi, shapes, after_backward, at_rest, numel, calls) in enumerate(results):
         units = [_padded(w, n) + _padded(b, n) for w, b in zip(shapes[::2], shapes[1::2])]  # a layer's shards
         padded = sum(units)
@@ -360,11 +382,16 @@ def _misuse(rank, world_size):
 
 
 @pytest.mark.distributed
-def test_misuse_is_refused_with_a_clear_message_and_state_dict_is_fsdp2s():
+def test_misuse_is_refused_with_a_clear_message_and_state_dict_is_fsdp2s(ranks):
     with pytest.raises(RuntimeError, match="initialised torch.distributed process group"):
         zerokit.FullyShard(new_model("mlp"))
-    said, names, kinds, shapes = run_ranks(_misuse, 2)[0]
+    said, names, kinds, shapes = ranks(2, "misuse")[0]
     assert "units must be modules inside the model" in said[0]
     assert "compute_dtype must be None, torch.bfloat16 or torch.float16" in said[1]
     assert list(kinds) == names
     assert kinds == {n: ("DTensor", shapes[n]) for n in names}
+
+
+CASES = {"same batch": _same_batch, "split batch": _split_batch, "mixed": _mixed, "edge": _edge,
+         "accumulate": _accumulate, "after a failed backward": _after_a_failed_backward, "memory": _memory,
+         "misuse": _misuse}

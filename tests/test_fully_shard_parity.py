@@ -6,7 +6,8 @@ zero_grad alternating set_to_none, each rank its own batch, and after every back
 rank's local rows of every parameter and of its gradient (a DTensor placed Shard(0): rows
 [r c, r c + c) of the full tensor, c = ceil(rows / N)) compared with those rows of a
 data-parallel reference's parameter and gradient. Both data-parallel references run on the same
-ranks: torch's DistributedDataParallel and zerokit.DataParallel. And beside torch's own
+ranks: torch's DistributedDataParallel and zerokit.DataParallel, each trained once per launch and
+micro-batching (every control but no-sync takes the same steps) and compared with every control. And beside torch's own
 fully_shard given the same calls with the same settings (fully_shard on each layer, then on the
 root): the loss of every step and the final weights, bit for bit.
 
@@ -115,30 +116,43 @@ def _mean_over_ranks(loss):
     return loss.item() / dist.get_world_size()
 
 
-def _against(sharded, reference, rank, world_size, worst):
-    """Each parameter's and gradient's local rows against the same rows of the reference's; the number of
-    gradients compared."""
-    ref_params = dict(reference.module.named_parameters())
+def _reference_run(system, rank, micro):
+    """A data-parallel reference's parameters and gradients after every backward (before its step): the same
+    for every control with the same micro-batches, so each is trained once per launch and compared many times."""
+    model = _replicated(system)
+    opt = torch.optim.Adam(model.parameters(), lr=LR)
+    snaps = []
+    for it in range(ITERATIONS):
+        _step(model, rank, it, {"micro": micro})
+        snaps.append({n: (p.detach().clone(), None if p.grad is None else p.grad.clone())
+                      for n, p in model.module.named_parameters()})
+        opt.step()
+        opt.zero_grad(set_to_none=it % 2 == 0)
+    return snaps
+
+
+def _against(sharded, snap, rank, world_size, worst):
+    """Each parameter's and gradient's local rows against the same rows of a reference's snapshot; the number
+    of gradients compared."""
     checked = 0
     for name, p in sharded.named_parameters():
-        full = ref_params[name]
+        full, full_grad = snap[name]
         start, length = rows_held(full.shape[0], world_size, rank)
         local = p.to_local()
-        worst[0] = max(worst[0], (local - full.detach()[start:start + length]).abs().max().item() if length else 0.0)
+        worst[0] = max(worst[0], (local - full[start:start + length]).abs().max().item() if length else 0.0)
         if p.grad is not None:
             grad = p.grad.to_local()
-            worst[1] = max(worst[1], (grad - full.grad[start:start + length]).abs().max().item() if length else 0.0)
+            worst[1] = max(worst[1], (grad - full_grad[start:start + length]).abs().max().item() if length else 0.0)
             checked += 1
     return checked
 
 
 def _parity(rank, world_size):
+    references = {(ref, micro): _reference_run(ref, rank, micro) for ref in ("ddp", "dp") for micro in (1, 2)}
     out = {}
     for name, control in CONTROLS.items():
         fp32 = not control.get("bf16")
         systems = {"zerokit": _fully_shard("zerokit", control), "torch": _fully_shard("torch", control)}
-        if fp32:
-            systems.update(ddp=_replicated("ddp"), dp=_replicated("dp"))
         opts = {s: torch.optim.Adam(m.parameters(), lr=LR) for s, m in systems.items()}
         losses = {s: [] for s in systems}
         worst = {"ddp": [0.0, 0.0], "dp": [0.0, 0.0]}  # (rows, gradient rows) against each reference's
@@ -148,7 +162,8 @@ def _parity(rank, world_size):
                 losses[s].append(_mean_over_ranks(_step(model, rank, it, control)))
             if fp32:
                 for ref in ("ddp", "dp"):
-                    grads_checked += _against(systems["zerokit"], systems[ref], rank, world_size, worst[ref])
+                    snap = references[(ref, control.get("micro", 1))][it]
+                    grads_checked += _against(systems["zerokit"], snap, rank, world_size, worst[ref])
             for s in systems:
                 opts[s].step()
                 opts[s].zero_grad(set_to_none=it % 2 == 0)

@@ -62,12 +62,31 @@ def _reshard_case(rank, world_size):
     return out
 
 
+def _refused(rank, world_size):
+    said = []
+    for bad in (3, 0, "2", 2.0):
+        with pytest.raises((ValueError, TypeError)) as info:
+            ReshardZeRO3Adam(uneven(), reshard_after_forward=bad)
+        said.append(str(info.value))
+    return said
+
+
+def _cases(rank, world_size):
+    return {"reshard": _reshard_case(rank, world_size), "refused": _refused(rank, world_size)}
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    """Both cases on 4 ranks, in one launch."""
+    return run_ranks(_cases, 4)
+
+
 @pytest.mark.distributed
-def test_reshard_after_forward_memory_and_traffic_against_the_formula():
+def test_reshard_after_forward_memory_and_traffic_against_the_formula(four_ranks):
     n = 4
     psi = sum(p.numel() for p in uneven().parameters())
     n_params = sum(1 for _ in uneven().parameters())
-    for rank, got in enumerate(run_ranks(_reshard_case, n)):
+    for rank, got in enumerate(r["reshard"] for r in four_ranks):
         padded = got[True]["padded"]
         total = sum(padded)
         assert psi <= total < psi + padding_bound(n_params, len(padded), n)  # the model, and padding only
@@ -97,19 +116,9 @@ def test_reshard_after_forward_memory_and_traffic_against_the_formula():
           + ", ".join(f"{c}: {got[c]['steps'][0]['held']}" for c in SETTINGS))
 
 
-def _refused(rank, world_size):
-    said = []
-    for bad in (3, 0, "2", 2.0):
-        try:
-            ReshardZeRO3Adam(uneven(), reshard_after_forward=bad)
-        except (ValueError, TypeError) as exc:
-            said.append(str(exc))
-    return said
-
-
 @pytest.mark.distributed
-def test_a_node_size_that_does_not_divide_the_ranks_is_refused():
-    said = run_ranks(_refused, 4)[0]
+def test_a_node_size_that_does_not_divide_the_ranks_is_refused(four_ranks):
+    said = four_ranks[0]["refused"]
     assert len(said) == 4, said
     assert "must divide the 4 ranks" in said[0] and "must divide the 4 ranks" in said[1]
     assert "must be True, False, None or an int" in said[2] and "must be True, False, None or an int" in said[3]
