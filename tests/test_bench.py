@@ -158,3 +158,38 @@ def test_the_mlp_preset_trains_and_describes_itself():
     assert workload.MODELS["mlp"]["sizes"][0] > 100  # the preset itself: a few million parameters
     psi = sum(a * b + b for a, b in zip(workload.MODELS["mlp"]["sizes"][:-1], workload.MODELS["mlp"]["sizes"][1:]))
     assert 2e6 < psi < 8e6
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(320)
+def test_fsdp2_bench_prints_both_systems_at_two_and_four_ranks_with_finite_figures(tmp_path):
+    """`python -m zerokit.bench --fsdp2` on the tiny model, two timed steps: a benchmark, so nothing about
+    speed is asserted; its table and JSON are well formed, every figure finite, and the two systems, given
+    the same calls, computed the same thing (the losses and weights bitwise, the same bytes sent)."""
+    cmd = [sys.executable, "-m", "zerokit.bench", "--fsdp2", "--model", "tiny", "--world-sizes", "2", "4",
+           "--steps", "2", "--warmup", "0", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "fsdp2.json").read_text())
+    rows = summary["rows"]
+    assert [(r["world_size"], r["policy"]) for r in rows] == [(2, "fp32"), (2, "bf16"), (4, "fp32"), (4, "bf16")]
+    table = proc.stdout.splitlines()
+    for r in rows:  # one line each in the table, N and the policy first, the verdict last
+        line = next(line for line in table if line.split()[:2] == [str(r["world_size"]), r["policy"]])
+        assert line.endswith("losses, weights"), line
+    for r in rows:
+        where = (r["world_size"], r["policy"])
+        for impl in ("zerokit", "torch"):
+            s = r[impl]
+            assert len(s["step_time_s"]["per_step_slowest_rank"]) == 2, where  # each timed step: the slowest rank's
+            times = [s["step_time_s"]["median"], *s["step_time_s"]["quartiles"], s["cpu_time_s"]["median"]]
+            assert all(math.isfinite(t) and t > 0 for t in times), (where, impl, times)
+            assert len(s["peak_bytes_per_rank"]) == r["world_size"], where
+            assert all(math.isfinite(b) and b > 0 for b in s["peak_bytes_per_rank"]), (where, impl)
+            assert s["peak_bytes"] == max(s["peak_bytes_per_rank"]) and s["comm_bytes"] > 0, (where, impl)
+        q = r["ratios"]
+        assert all(math.isfinite(q[k]) and q[k] > 0 for k in ("time", "cpu_time", "memory")), (where, q)
+        assert len(q["time_per_turn"]) == 1 and all(math.isfinite(v) for v in q["time_per_turn_quartiles"]), q
+        assert r["losses_bitwise"] and r["weights_bitwise"], where  # the same computation, so the ratios compare
+        assert q["comm"] == 1.0, where  # the same collectives on the same bytes
+    assert "Goal: every ratio <= 1.00." in proc.stdout and str(tmp_path / "fsdp2.json") in proc.stdout

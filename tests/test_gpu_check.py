@@ -5,7 +5,7 @@
   counters "n/a"): the rows' own numerics, memory and checkpoint comparisons must all pass, the
   odd shapes' optimizers end bitwise where torch.optim's do, one lesson's graded checks (02:
   make test grades every solution notebook already) pass through the group's own plumbing, and
-  python -m zerokit.train's rows pass too;
+  python -m zerokit.train's rows pass too, and zerokit.fully_shard's beside torch's (bench --fsdp2);
 - every CUDA branch in zerokit's source has a row (COVERS), and the scanner finds a planted one;
 - a group that raises becomes one failed row and the command exits 1; the table says so.
 """
@@ -72,6 +72,10 @@ def test_the_rehearsal_runs_every_row_on_the_cpu(tmp_path):
         row = next(r for r in report["rows"] if r["path"] == f"offload=disk {stage} {precision}")
         k = 8 if precision == "fp32" else 12
         assert f"theory K Psi = {k * psi / 2**20:.2f} MiB" in row["figure"], row
+    # zerokit.fully_shard beside torch's with the same calls (bench --fsdp2 at N = 1), and both default meshes
+    assert {"fsdp2 N=1 fp32 (cpu)", "fsdp2 N=1 bf16 (cpu)", "fsdp2 default mesh (cpu)"} <= set(paths)
+    rows = json.loads((tmp_path / "fsdp2.json").read_text())["rows"]
+    assert [(r["world_size"], r["policy"]) for r in rows] == [(1, "fp32"), (1, "bf16")]
     # FSDP2 at N = 1 skips its collectives: a ratio against nothing is None ("n/a"), not bytes / 1
     bench = json.loads((tmp_path / "bench-ws1.json").read_text())
     sent = {c["name"]: c["comm"]["volume_bytes"] for c in bench["configs"]}

@@ -3,12 +3,13 @@ r"""zerokit against PyTorch's own ZeRO implementations, on one model, one data s
     python -m zerokit.bench                          # world size 2, the small transformer
     python -m zerokit.bench --world-size 4 --model medium --steps 50
     python -m zerokit.bench --model mlp              # a plain MLP of 3.8 M parameters instead
+    python -m zerokit.bench --fsdp2                  # zerokit.fully_shard beside torch's, N = 2 and 4
     python -m zerokit.bench.demo                     # `make demo`: zerokit's stages beside the paper
 
 Each stage (data parallel, ZeRO-1, ZeRO-2, ZeRO-3) runs three times: as its PyTorch peer (DDP +
 AdamW, ZeroRedundancyOptimizer, FSDP2), as zerokit's lesson class, and as zerokit in PyTorch's
-shape (DataParallel, ZeRO1/ZeRO2 with torch's AdamW, FullyShard). All run in one
-`zerokit.launch` (one process tree): each rank builds a configuration fresh from the same
+shape (DataParallel, ZeRO1/ZeRO2 with torch's AdamW, FullyShard: the shell over zerokit.fully_shard).
+All run in one `zerokit.launch` (one process tree): each rank builds a configuration fresh from the same
 seed, trains it on the same batches (rank r takes its slice of each global batch), measures
 it, frees it and builds the next. Per configuration: median step time beside the floor
 (the same compute with perfect software), bytes communicated per step beside theory, peak
@@ -31,6 +32,7 @@ measures and how):
     runner.py      run(): launch, summarise, write the JSON and the plot
     cli.py         main(): the command line; __main__.py runs it
     sweep.py       `--sweep`: step time, model state and traffic against Ψ and N, beside theory
+    fsdp2.py       `--fsdp2`: zerokit.fully_shard beside torch's fully_shard with the same calls, N = 2 and 4
 
 Output: the table on stdout, `bench-results/bench-ws<N>.json` and `bench-ws<N>.png`.
 

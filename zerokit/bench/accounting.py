@@ -13,8 +13,9 @@
   distinct storages each system holds in that role, classified with `zerokit.memory.census`'s
   rules (first claim wins: parameters, then gradients, then optimizer state); DTensors
   (FSDP2) count their local shard, and FSDP2's unsharded parameters and all-gather buffers
-  count as parameters while they hold memory. *other* = total - the three (activations,
-  communication buffers, temporaries). Each column is its own peak over the step.
+  count as parameters while they hold memory, torch's and zerokit's alike (`Held`). *other* =
+  total - the three (activations, communication buffers, temporaries). Each column is its own
+  peak over the step.
 """
 
 import ctypes
@@ -22,10 +23,11 @@ import ctypes
 import torch
 
 from zerokit.comm import CommCounter
+from zerokit.fully_shard.state import state_of
+from zerokit.fully_shard.wrapper import FullyShard
 from zerokit.memory import census
 # what a system holds by category (zerokit.train.peers.holdings): the capstone's memory table counts the same
-from zerokit.train.peers import MODEL_STATE
-from zerokit.train.peers import Held as _Declared
+from zerokit.train.peers import MODEL_STATE, holdings
 
 
 class _MallInfo2(ctypes.Structure):
@@ -56,6 +58,39 @@ def allocated_bytes(device) -> int:
     return info.uordblks + info.hblkhd  # in use in the arenas + large blocks (mmapped)
 
 
+def fully_shard_records(model):
+    """Every ShardedParam record of the zerokit.fully_shard calls inside `model`."""
+    states, found = [], []
+    for m in model.modules():
+        state = state_of(m)
+        if state is not None and all(state is not s for s in states):
+            states.append(state)
+            for group in state.groups:
+                found += group.params
+    return found
+
+
+class Held:
+    """What a system holds, for census: zerokit.train.peers.holdings (DDP's parameters, FSDP2's DTensor
+    shards and buffers, the optimizers' state), and zerokit.fully_shard's calls read off their records:
+    each padded shard, gathered buffer and hpZ piece as parameters, the full local gradients as gradients.
+    The module shows none of these while a call is gathered (it shows the unsharded parameters, and
+    FullyShard.memory_categories, which reads the module's parameters as DTensors, raises then), so a
+    FullyShard is counted by the model inside it."""
+
+    def __init__(self, model, optimizer):
+        self.model = model.module if isinstance(model, FullyShard) else model
+        self.optimizer = optimizer
+
+    def memory_categories(self):
+        cats = holdings(self.model, self.optimizer)
+        for r in fully_shard_records(self.model):
+            cats["parameters"] += [t for t in (r.padded, r.gathered, r.post_forward_flat) if t is not None]
+            unsharded = None if r.unsharded_param is None else r.unsharded_param.grad
+            cats["gradients"] += [t for t in (r.accumulated_grad, unsharded) if t is not None]
+        return cats
+
+
 class Instrument(CommCounter):
     """Counts collectives (CommCounter) and samples memory after every tensor operation:
     the process's allocated bytes, and census(scan=False) of what the system holds."""
@@ -73,7 +108,7 @@ class Instrument(CommCounter):
         if total == self._last_total and op is not None:
             return  # nothing allocated or freed by this operation (a view, a hook, ...)
         self._last_total = total
-        held = census(None, _Declared(self.model, self.optimizer), self.device.type, scan=False)
+        held = census(None, Held(self.model, self.optimizer), self.device.type, scan=False)
         cats = {k: held[k] for k in MODEL_STATE}
         cats["other"] = max(total - sum(cats.values()), 0)
         cats["total"] = total

@@ -1,5 +1,6 @@
 """main(): `python -m zerokit.bench`'s options; prints the table and where the files went.
-With --sweep, hands its other options to sweep.main (`python -m zerokit.bench --sweep --help`)."""
+With --sweep, hands its other options to sweep.main (`python -m zerokit.bench --sweep --help`), with
+--fsdp2 to fsdp2.main (`python -m zerokit.bench --fsdp2 --help`)."""
 
 import argparse
 import sys
@@ -19,6 +20,10 @@ def main(argv=None):
         from .sweep import main as sweep_main
 
         return sweep_main([a for a in argv if a != "--sweep"])
+    if "--fsdp2" in argv:  # likewise: zerokit's fully_shard beside torch's, fsdp2.py's options
+        from .fsdp2 import main as fsdp2_main
+
+        return fsdp2_main([a for a in argv if a != "--fsdp2"])
     p = argparse.ArgumentParser(prog="python -m zerokit.bench", description=zerokit.bench.__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--world-size", "-n", type=int, default=2)
@@ -42,6 +47,10 @@ def main(argv=None):
     p.add_argument("--sweep", action="store_true",
                    help="instead: how step time, model state and traffic grow with Ψ (about 1M up) and N (1, 2, 4), "
                         "beside theory; bench-results/sweep.json and sweep.png (options: --sweep --help)")
+    p.add_argument("--fsdp2", action="store_true",
+                   help="instead: zerokit.fully_shard beside torch's fully_shard with the same calls, fp32 and bf16, "
+                        "N = 2 and 4: step time, peak memory per rank, ratios; bench-results/fsdp2.json "
+                        "(options: --fsdp2 --help)")
     a = p.parse_args(argv)
     t0 = time.perf_counter()
     configs = (a.configs or []) + (CONTROL_CONFIGS if a.fsdp_controls else [])

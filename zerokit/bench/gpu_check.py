@@ -7,7 +7,8 @@ r"""`make gpu-check`: every CUDA path of the course, in one command on one GPU, 
 The course is built and tested on CPUs (gloo); its CUDA paths are the branches that only a
 GPU takes: NCCL and the device a rank computes on (zerokit.launcher.backend), the CUDA memory
 counters (zerokit.memory, the bench's accounting), pinned-memory offload (zerokit.offload),
-checkpoint files written from GPU tensors, the bench's timing. One row per path and what it
+checkpoint files written from GPU tensors, the bench's timing, zerokit.fully_shard's mesh on the
+device (bench --fsdp2 beside torch's fully_shard). One row per path and what it
 was compared with; the command exits 1 if any row fails, 0 otherwise, and 0 with one line
 where there is no GPU. `cuda_branches()` lists every such branch in zerokit's source, and
 tests/test_gpu_check.py fails when one has no row here (COVERS).
@@ -459,6 +460,64 @@ def bench(target, out_dir):
     return rows
 
 
+def _default_placement(rank, world_size, preset):
+    """torch's fully_shard and zerokit's on a model built on the CPU, with no mesh given (each block, then the
+    root): where each puts the parameters and the output (the default mesh's device), and the loss."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from zerokit.bench.workload import loss_of
+    from zerokit.fully_shard.api import fully_shard as zerokit_fully_shard
+
+    cfg = MODELS[preset]
+    out = {}
+    for impl, shard in (("torch", torch_fully_shard), ("zerokit", zerokit_fully_shard)):
+        model = make_model(cfg, "cpu", seed=0)
+        for block in model.blocks:
+            shard(block)
+        shard(model)
+        x, y = rank_batch(cfg, 0, rank, world_size, "cpu")  # on the CPU: the root's forward moves them
+        output = model(x)
+        out[impl] = {"parameters": sorted({str(p.device) for p in model.parameters()}), "output": str(output.device),
+                     "loss": loss_of(cfg, output, y.to(output.device)).item()}
+    return out
+
+
+def fsdp2(target, out_dir):
+    """zerokit.fully_shard beside torch's with the same calls on the device (bench --fsdp2 at N = 1): step time,
+    peak memory (torch.cuda.max_memory_allocated), the same losses; and both default meshes on the device."""
+    import math
+
+    from zerokit.bench import fsdp2 as bench
+
+    steps = 10 if target.gpu else 2
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+        summary = bench.run(world_sizes=(1,), model=target.preset, steps=steps, warmup=1, out_dir=out_dir,
+                            echo=False, timeout=LAUNCH_TIMEOUT * 2)
+    rows = []
+    for r in summary["rows"]:
+        z, t, q = r["zerokit"], r["torch"], r["ratios"]
+        figures = [z["step_time_s"]["median"], t["step_time_s"]["median"], z["peak_bytes"], t["peak_bytes"],
+                   q["time"], q["memory"], z["final_loss"], t["final_loss"]]
+        dloss = abs(z["final_loss"] - t["final_loss"])
+        ok = all(math.isfinite(v) for v in figures) and min(z["peak_bytes"], t["peak_bytes"]) > 0 and dloss <= 1e-3
+        same = "losses and weights bitwise" if r["losses_bitwise"] and r["weights_bitwise"] else f"|dloss| {dloss:.1e}"
+        rows.append(Row(f"fsdp2 N=1 {r['policy']} ({summary['meta']['device']})",
+                        "zerokit.fully_shard vs torch's, the same calls: final loss within 1e-3; ms/step, peak memory",
+                        ok, f"{z['step_time_s']['median'] * 1e3:.1f} vs {t['step_time_s']['median'] * 1e3:.1f} ms/step "
+                            f"({q['time']:.2f}x), peak {z['peak_bytes'] / 2**20:.1f} vs "
+                            f"{t['peak_bytes'] / 2**20:.1f} MiB ({q['memory']:.2f}x), {same}"))
+    placed = _launch(_default_placement, 1, target.preset)[0]
+    want = "cuda:0" if target.gpu else "cpu"
+    ok = all(p["parameters"] == [want] and p["output"] == want for p in placed.values()) and \
+        abs(placed["zerokit"]["loss"] - placed["torch"]["loss"]) <= 1e-3
+    rows.append(Row(f"fsdp2 default mesh ({want})", f"fully_shard with no mesh, model and batch on the CPU: expects "
+                    f"parameters and output on {want}, torch's and zerokit's", ok,
+                    "; ".join(f"{impl}: parameters on {', '.join(p['parameters'])}, output on {p['output']}, loss "
+                              f"{p['loss']:.4f}" for impl, p in placed.items())))
+    return rows
+
+
 def _all_reduce(tensor, on_input_device=True):
     """Lesson 00's exercise: every buffer on the input's device; on_input_device=False is the slip the
     lessons warn about, buffers made without device= (they land on the CPU)."""
@@ -658,13 +717,18 @@ COVERS = {
     "alignment": ["zerokit/bench/alignment.py:_sync"],  # 16 or 128 bytes, timed on the device
     "bench": ["zerokit/bench/accounting.py:allocated_bytes", "zerokit/bench/accounting.py:Instrument.__enter__",
               "zerokit/bench/accounting.py:Instrument.__exit__", "zerokit/bench/runs.py:run_stage",
-              "zerokit/bench/systems.py:_torch_peer", "zerokit/bench/timing.py:sync"],
+              "zerokit/bench/systems.py:_torch_peer", "zerokit/bench/timing.py:sync",
+              "zerokit/fully_shard/wrapper.py:FullyShard.__init__"],  # wrapper-zero3: FullyShard's mesh on the GPU
+    # zerokit.fully_shard on the device: its default mesh and device, the root moving the inputs there
+    "fsdp2": ["zerokit/bench/fsdp2.py:worker", "zerokit/fully_shard/api.py:_default_mesh",
+              "zerokit/fully_shard/api.py:_device", "zerokit/fully_shard/state.py:ModuleState._root_pre_forward"],
 }
 
 GROUPS = [("environment", environment), ("launch_auto", launch_auto), ("single_rank", single_rank),
           ("shared_gpu", shared_gpu), ("memory", memory), ("offload", offload), ("checkpoint", checkpoint),
-          ("bench", bench), ("lesson_checks", lesson_checks), ("lesson_grades", lesson_grades_on_device),
-          ("odd_shapes", odd_shapes), ("alignment", alignment), ("train", train_script)]
+          ("bench", bench), ("fsdp2", fsdp2), ("lesson_checks", lesson_checks),
+          ("lesson_grades", lesson_grades_on_device), ("odd_shapes", odd_shapes), ("alignment", alignment),
+          ("train", train_script)]
 
 
 # ---------------------------------------------------------------------------------------
@@ -732,7 +796,7 @@ def run_checks(target, out_dir, groups=None, echo=print):
             continue
         t0 = time.perf_counter()
         try:
-            got = fn(target, out_dir) if name == "bench" else fn(target)
+            got = fn(target, out_dir) if name in ("bench", "fsdp2") else fn(target)  # they write their JSON there
         except Exception as exc:  # a group's crash or timeout is its row's verdict, the others still run
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             got = [Row(name, (fn.__doc__ or "").strip().splitlines()[0], False, f"{type(exc).__name__}: {first}"[:200])]

@@ -29,13 +29,16 @@ def _minor_faults():
 
 
 class Run:
-    """One live configuration: its model, optimizer, step counter and measurements."""
+    """One live configuration: its model, optimizer, step counter and measurements.
 
-    def __init__(self, config, rank, world_size, opts, device):
+    builder(config, model_cfg, device, seed) -> (model, optimizer): systems.build, or the FSDP2
+    bench's (fsdp2.py), which builds its two systems on one mesh."""
+
+    def __init__(self, config, rank, world_size, opts, device, builder=build):
         self.config, self.rank, self.world_size, self.opts, self.device = config, rank, world_size, opts, device
         gc.collect()
         self.baseline = allocated_bytes(device)  # what the process held before this config
-        self.model, self.opt = build(config, opts["model"], device, opts["seed"])
+        self.model, self.opt = builder(config, opts["model"], device, opts["seed"])
         micro = micro_batches(config)
         self.train_step = train_step if micro == 1 else partial(accumulate_step, micro=micro)
         self.step, self.losses, self.times, self.cpu_times, self.faults = 0, [], [], [], []

@@ -55,7 +55,7 @@ from zerokit.memory import census, theory_bytes
 from zerokit.models import loss_for
 from zerokit.widgets import progress
 
-from .accounting import MODEL_STATE, Instrument, _Declared, allocated_bytes
+from .accounting import MODEL_STATE, Held, Instrument, allocated_bytes
 from .stages import STAGES, make_optimizer
 from .timing import time_together
 from .workload import HYPER, make_model, rank_batch, train_step
@@ -146,7 +146,7 @@ def measure(stage, cfg, rank, world_size, device, opts):
         loss.backward()
         opt.step()
     # at rest: after step(), before zero_grad(): every model-state category in its steady state
-    held = census(None, _Declared(model, opt), device.type, scan=False)
+    held = census(None, Held(model, opt), device.type, scan=False)
     at_rest = {k: held[k] for k in MODEL_STATE}
     opt.zero_grad(set_to_none=True)
     step += 1

@@ -15,6 +15,12 @@ zerokit in PyTorch's shape (a module wrapper or the optimizer a user brings, wit
 | zero2 | `zerokit.ZeRO2(params, torch.optim.AdamW, bucket_mb=two blocks)` |
 | zero3 | `zerokit.FullyShard(model, units=blocks)` + `torch.optim.AdamW` |
 
+`zerokit.FullyShard` is the course's shell over `zerokit.fully_shard`, FSDP2's per-parameter design
+(each parameter a DTensor of this rank's dim-0 rows): it calls fully_shard on each unit, then on the
+model, and starts each unit's all-gather from the one before (forward prefetch). Its row is therefore
+torch's fully_shard beside zerokit's in the course's shape; `python -m zerokit.bench --fsdp2`
+(fsdp2.py) holds the two to the very same calls.
+
 Beyond the default rows, FSDP2's controls (issue 41), each run by FSDP2 and by zerokit.FullyShard
 with the same setting, one fully_shard per block and the root (`--fsdp-controls`, or by name):
 
