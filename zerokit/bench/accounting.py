@@ -23,8 +23,8 @@ import ctypes
 import torch
 
 from zerokit.comm import CommCounter
-from zerokit.fully_shard.state import state_of
 from zerokit.fully_shard.wrapper import FullyShard
+from zerokit.fully_shard.wrapper import memory_categories as fully_shard_memory
 from zerokit.memory import census
 # what a system holds by category (zerokit.train.peers.holdings): the capstone's memory table counts the same
 from zerokit.train.peers import MODEL_STATE, holdings
@@ -58,25 +58,12 @@ def allocated_bytes(device) -> int:
     return info.uordblks + info.hblkhd  # in use in the arenas + large blocks (mmapped)
 
 
-def fully_shard_records(model):
-    """Every ShardedParam record of the zerokit.fully_shard calls inside `model`."""
-    states, found = [], []
-    for m in model.modules():
-        state = state_of(m)
-        if state is not None and all(state is not s for s in states):
-            states.append(state)
-            for group in state.groups:
-                found += group.params
-    return found
-
-
 class Held:
     """What a system holds, for census: zerokit.train.peers.holdings (DDP's parameters, FSDP2's DTensor
-    shards and buffers, the optimizers' state), and zerokit.fully_shard's calls read off their records:
-    each padded shard, gathered buffer and hpZ piece as parameters, the full local gradients as gradients.
-    The module shows none of these while a call is gathered (it shows the unsharded parameters, and
-    FullyShard.memory_categories, which reads the module's parameters as DTensors, raises then), so a
-    FullyShard is counted by the model inside it."""
+    shards and buffers, the optimizers' state), and what zerokit.fully_shard's calls hold, read off their
+    records (zerokit.fully_shard.wrapper.memory_categories: padded shards, gathered buffers, hpZ pieces,
+    full local gradients, reductions in flight), which the module does not show while a call is gathered.
+    A FullyShard is counted by the model inside it."""
 
     def __init__(self, model, optimizer):
         self.model = model.module if isinstance(model, FullyShard) else model
@@ -84,10 +71,8 @@ class Held:
 
     def memory_categories(self):
         cats = holdings(self.model, self.optimizer)
-        for r in fully_shard_records(self.model):
-            cats["parameters"] += [t for t in (r.padded, r.gathered, r.post_forward_flat) if t is not None]
-            unsharded = None if r.unsharded_param is None else r.unsharded_param.grad
-            cats["gradients"] += [t for t in (r.accumulated_grad, unsharded) if t is not None]
+        for category, tensors in fully_shard_memory(self.model).items():
+            cats[category] += tensors
         return cats
 
 

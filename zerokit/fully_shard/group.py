@@ -72,7 +72,9 @@ class _PostBackward(torch.autograd.Function):
         return (None, *grads)
 
 
-MAX_REDUCING = 2  # reduce-scatters in flight at once (each holds its N * S input): the rest of backward overlaps them
+# Reduce-scatters in flight at once. One, as FSDP2 keeps one input buffer: the next group's backward computes while
+# it runs, and the next reduce-scatter lands it before its copy-in, so no two N * S inputs are alive together.
+MAX_REDUCING = 1
 
 
 class Reducing(NamedTuple):
@@ -145,6 +147,19 @@ class ParamGroup:
     def _reset_params(self):
         for p in self.params:
             p.reset_sharded_param()
+
+    def memory_categories(self):
+        """The tensors this group holds now, by category: the padded shards, the gathered buffers that are
+        allocated and hpZ's kept pieces (parameters); the shards' gradients, full local gradients not reduced
+        yet and reductions in flight (gradients)."""
+        params = [p.padded for p in self.params] + [p.gathered for p in self.params if p.is_gathered]
+        params += [p.post_forward_flat for p in self.params if p.post_forward_flat is not None]
+        grads = [p.sharded_param.grad.to_local() for p in self.params if p.sharded_param.grad is not None]
+        grads += [g for p in self.params for g in (p.accumulated_grad, getattr(p.unsharded_param, "grad", None))
+                  if g is not None]
+        grads += [t for r in (self.shared.reducing if self.shared else ()) if r.group is self
+                  for t in (r.input, r.output)]
+        return {"parameters": params, "gradients": grads}
 
     # ---- the sharded state, changed here only ---------------------------------------------------------
 
@@ -259,10 +274,11 @@ class ParamGroup:
 
     @staticmethod
     def prefetch(target, phase):
-        """Start `target`'s all-gather now, as if in `phase` (so that it honours that phase's rules), without
-        waiting: the current group's compute overlaps it (FSDP2 runs it on a stream of its own)."""
+        """Start `target`'s all-gather now, as if in `phase` (so that it honours that phase's rules). On a GPU
+        without waiting: the current group's compute overlaps it (FSDP2 runs it on a stream of its own); on
+        the CPU at once, as FSDP2 does there (gloo's asynchronous all-gather holds a temporary of its own)."""
         with target.in_phase(phase):
-            target.unshard(async_op=True)
+            target.unshard(async_op=target.unshard_async_op or target.device.type != "cpu")
 
     def post_backward(self):
         # a list of modules, one of which was called on its own after the model's forward (a loss head over
@@ -277,12 +293,16 @@ class ParamGroup:
             for p in self.params:
                 p.keep_grad_in_reduce_dtype()
             return
-        with_grad = [(p, g) for p in self.params
-                     if (g := p.take_unsharded_grad(self.reduce_scatter_unused_params)) is not None]
+        params, grads = [], []
+        for p in self.params:
+            grad = p.take_unsharded_grad(self.reduce_scatter_unused_params)
+            if grad is not None:
+                params.append(p)
+                grads.append(grad)
         if self.reshard_after_backward:
             self.reshard()
-        if with_grad:
-            self._reduce([p for p, _ in with_grad], [g for _, g in with_grad])
+        if params:
+            self._reduce(params, grads)  # empties `grads`: the full gradients go once copied in
             if standalone:
                 self.finish_reduce()
 
@@ -296,19 +316,22 @@ class ParamGroup:
         world = self.shard_group.size()
         replicas = self.replicate_group.size() if self.replicate_group is not None else 1
         before, after, op = divide_factors(dtype, world * replicas)
+        while len(self.shared.reducing) >= MAX_REDUCING:  # land the one in flight first: its input goes
+            self.shared.reducing[0].group.finish_reduce()
         flat = reduce_scatter_copy_in(grads, world, dtype)
-        del grads  # the full gradients are free once copied in
+        grads.clear()  # the full gradients are free once copied in (the caller's list holds them too)
         if before not in (None, 1):
             flat.div_(before)
         output = torch.empty(flat.numel() // world, dtype=dtype, device=self.device)
         work = None
         if world > 1:
-            work = self.reduce_scatter(output, flat, self.shard_group, op, async_op=True)
+            # asynchronous on a GPU (the next group's backward runs while NCCL reduces); on the CPU gloo's
+            # reduce-scatter holds a temporary as large as its input until it lands, so an overlapped one
+            # raised the peak 4-11% above FSDP2's (bench --fsdp2) for no gain of time on two cores
+            work = self.reduce_scatter(output, flat, self.shard_group, op, async_op=self.device.type != "cpu")
         else:
             output.copy_(flat)
         self.shared.reducing.append(Reducing(self, params, flat, output, work, op, after))
-        while len(self.shared.reducing) > MAX_REDUCING:  # bound the memory in flight: land the oldest
-            self.shared.reducing[0].group.finish_reduce()
 
     def finish_reduce(self):
         """Land this group's oldest reduce-scatter in flight: wait for it, all-reduce across replicas (HSDP),

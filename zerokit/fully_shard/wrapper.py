@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from .api import FSDPModule, fully_shard
 from .state import state_of
 
-__all__ = ["FullyShard", "default_units"]
+__all__ = ["FullyShard", "default_units", "memory_categories"]
 
 
 def default_units(model):
@@ -128,25 +128,42 @@ class FullyShard(nn.Module):
     def set_reshard_after_forward(self, reshard_after_forward, module=None):
         self._module(module).set_reshard_after_forward(reshard_after_forward)
 
+    def _reshard_all(self):
+        for m in self.module.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()  # the root stays gathered after a forward: show the DTensors again
+
     def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False):
         """torch's clip_grad_norm_ on the DTensor gradients: the norm over every rank's rows (a collective)."""
+        self._reshard_all()
         norm = torch.nn.utils.clip_grad_norm_(list(self.parameters()), max_norm, norm_type, error_if_nonfinite)
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
     def full_parameters(self):
         """{name: the full tensor} of every parameter, as copies: a collective (an all-gather each)."""
+        self._reshard_all()
         return {name: p.full_tensor() for name, p in self.module.named_parameters()}
 
+    def reset_iter_state(self):
+        """After a forward or backward that raised: reshard everything and forget the step (FSDP2's)."""
+        self.module.reset_iter_state()
+
     def memory_categories(self):
-        """The tensors the sharding holds, by category, as their local storage: the shards and any unit
-        gathered now (parameters), the shards' gradients."""
-        params, grads = [], []
-        for p in self.parameters():
-            params.append(p.to_local())
-            if p.grad is not None:
-                grads.append(p.grad.to_local())
-        for m in self.module.modules():
-            state = state_of(m)
-            for group in [] if state is None else state.groups:
-                params += [r.gathered for r in group.params if r.is_gathered]
-        return {"parameters": params, "gradients": grads}
+        """What the model's fully_shard calls hold now, by category (memory_categories(model))."""
+        return memory_categories(self.module)
+
+
+def memory_categories(model):
+    """{category: tensors} that every fully_shard call inside `model` holds now (ParamGroup.memory_categories),
+    for zerokit.memory.census: storage, not DTensors (a DTensor has none of its own)."""
+    out = {"parameters": [], "gradients": []}
+    seen = []
+    for m in model.modules():
+        state = state_of(m)
+        if state is None or any(state is s for s in seen):
+            continue
+        seen.append(state)
+        for group in state.groups:
+            for category, tensors in group.memory_categories().items():
+                out[category] += tensors
+    return out
