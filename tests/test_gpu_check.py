@@ -73,7 +73,8 @@ def test_the_rehearsal_runs_every_row_on_the_cpu(tmp_path):
         k = 8 if precision == "fp32" else 12
         assert f"theory K Psi = {k * psi / 2**20:.2f} MiB" in row["figure"], row
     # zerokit.fully_shard beside torch's with the same calls (bench --fsdp2 at N = 1), and both default meshes
-    assert {"fsdp2 N=1 fp32 (cpu)", "fsdp2 N=1 bf16 (cpu)", "fsdp2 default mesh (cpu)"} <= set(paths)
+    assert {"fsdp2 N=1 fp32 (cpu)", "fsdp2 N=1 bf16 (cpu)", "fsdp2 default mesh (cpu)",
+            "fsdp2 gloo N=2 on cpu"} <= set(paths)
     rows = json.loads((tmp_path / "fsdp2.json").read_text())["rows"]
     assert [(r["world_size"], r["policy"]) for r in rows] == [(1, "fp32"), (1, "bf16")]
     # FSDP2 at N = 1 skips its collectives: a ratio against nothing is None ("n/a"), not bytes / 1

@@ -482,6 +482,31 @@ def _default_placement(rank, world_size, preset):
     return out
 
 
+def _shared_fsdp2(rank, world_size, preset, steps):
+    """Two ranks on one device with gloo (ZEROKIT_DEVICE): torch's fully_shard and zerokit's, the same calls
+    (each block, then the root) and AdamW, `steps` steps: on a GPU the reduce-scatters and the prefetched
+    all-gathers run asynchronously (N = 1 has no reduce-scatter at all). Each step's loss, and the weights."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from zerokit.bench import fsdp2 as bench
+    from zerokit.bench.systems import Config
+    from zerokit.bench.workload import train_step
+
+    device = zerokit.rank_device()
+    mesh = init_device_mesh(device.type, (world_size,))
+    cfg = MODELS[preset]
+    out = {"device": str(device)}
+    for impl in bench.IMPLS:
+        config = Config(f"{impl}-fp32", "zero3", impl, bench.LABELS[impl], "fp32")
+        model, opt = bench.build(config, cfg, device, 0, mesh)
+        losses = []
+        for step in range(steps):
+            x, y = rank_batch(cfg, step, rank, world_size, device)
+            losses.append(float(train_step(model, opt, x, y, cfg)))
+        out[impl] = {"losses": losses, "weights": bench._full_weights(model)}
+    return out
+
+
 def fsdp2(target, out_dir):
     """zerokit.fully_shard beside torch's with the same calls on the device (bench --fsdp2 at N = 1): step time,
     peak memory (torch.cuda.max_memory_allocated), the same losses; and both default meshes on the device."""
@@ -511,6 +536,13 @@ def fsdp2(target, out_dir):
     want = "cuda:0" if target.gpu else "cpu"
     ok = all(p["parameters"] == [want] and p["output"] == want for p in placed.values()) and \
         abs(placed["zerokit"]["loss"] - placed["torch"]["loss"]) <= 1e-3
+    shared = _launch(_shared_fsdp2, 2, target.preset, 3, env={DEVICE_ENV: target.device}, backend="gloo")[0]
+    z, t = shared["zerokit"], shared["torch"]
+    same = z["losses"] == t["losses"] and all(torch.equal(z["weights"][n], w) for n, w in t["weights"].items())
+    dloss = max(abs(a - b) for a, b in zip(z["losses"], t["losses"]))
+    rows.append(Row(f"fsdp2 gloo N=2 on {shared['device']}", "zerokit.fully_shard vs torch's, the same calls, 3 "
+                    "steps (reduce-scatters and prefetches asynchronous on a GPU): losses within 1e-3", dloss <= 1e-3,
+                    "losses and weights bitwise" if same else f"max |dloss| {dloss:.1e}"))
     rows.append(Row(f"fsdp2 default mesh ({want})", f"fully_shard with no mesh, model and batch on the CPU: expects "
                     f"parameters and output on {want}, torch's and zerokit's", ok,
                     "; ".join(f"{impl}: parameters on {', '.join(p['parameters'])}, output on {p['output']}, loss "
@@ -720,8 +752,10 @@ COVERS = {
               "zerokit/bench/systems.py:_torch_peer", "zerokit/bench/timing.py:sync",
               "zerokit/fully_shard/wrapper.py:FullyShard.__init__"],  # wrapper-zero3: FullyShard's mesh on the GPU
     # zerokit.fully_shard on the device: its default mesh and device, the root moving the inputs there
+    # (the shared row: two ranks on one GPU, where the reduce-scatter and the prefetch are asynchronous)
     "fsdp2": ["zerokit/bench/fsdp2.py:worker", "zerokit/fully_shard/api.py:_default_mesh",
-              "zerokit/fully_shard/api.py:_device", "zerokit/fully_shard/state.py:ModuleState._root_pre_forward"],
+              "zerokit/fully_shard/api.py:_device", "zerokit/fully_shard/state.py:ModuleState._root_pre_forward",
+              "zerokit/fully_shard/group.py:ParamGroup._reduce", "zerokit/fully_shard/group.py:ParamGroup.prefetch"],
 }
 
 GROUPS = [("environment", environment), ("launch_auto", launch_auto), ("single_rank", single_rank),
