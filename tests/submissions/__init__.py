@@ -106,6 +106,62 @@ def untouched(lesson, reason):
                    reason=reason)
 
 
+_LEFT = object()  # an exercise cell left as released
+
+
+def _changes(student, base):
+    """{cell: its source} where `student` differs from `base` ({cell: source} most of its peers share)."""
+    return {gid: student.cells.get(gid, _LEFT) for gid, common in base.items()
+            if student.cells.get(gid, _LEFT) is not common}
+
+
+def one_notebook(full, base, *students):
+    """Several example students with mistakes in different cells as one submission: each cell from the one
+    student that changes it (`base`'s where none does), each lost check (`full`: each check's points) with
+    that student's reason. The checks grade each exercise with zerokit's versions of the others, so that
+    each mistake costs its own checks in one notebook as it does alone, and one grading run shows several
+    (tests/test_autograde.py grades every notebook whole: fewer notebooks, a shorter `make test`).
+    The id joins the students' with "-"."""
+    if len(students) == 1:
+        return students[0]
+    cells, reason, owner = dict(base), {}, {}
+    for st in students:
+        assert not (st.before or st.after or st.delete or st.files or st.raw or st.full), \
+            f"{st.id}: only cell edits combine"
+        assert set(st.expected) == set(full), f"{st.id}: another lesson's checks"
+        for gid, source in _changes(st, base).items():
+            assert gid not in owner, f"{st.id} and {owner.get(gid)} both change {gid}"
+            owner[gid] = st.id
+            cells[gid] = source
+        for gid, points in st.expected.items():
+            if points != full[gid]:
+                assert gid not in reason, f"{st.id} loses {gid}, which another mistake here loses too"
+                reason[gid] = st.reason_for(gid)
+    expected = {gid: next((st.expected[gid] for st in students if st.expected[gid] != points), points)
+                for gid, points in full.items()}
+    return Student("-".join(st.id for st in students), "; ".join(st.defect for st in students), expected,
+                   reason=reason, cells={gid: v for gid, v in cells.items() if v is not _LEFT})
+
+
+def one_per_exercise(full, students):
+    """The students as few notebooks as one_notebook allows: grouped by the cells they change from what most
+    of them have there (the solution, or the cell as released), the i-th of each group in the i-th notebook."""
+    ids = sorted({gid for st in students for gid in st.cells})
+    base = {}
+    for gid in ids:
+        values = [st.cells.get(gid, _LEFT) for st in students]
+        base[gid] = max((SOLUTION, _LEFT), key=lambda v: sum(w is v for w in values))
+    groups = {}
+    for st in students:
+        groups.setdefault(frozenset(_changes(st, base)), []).append(st)
+    keys = list(groups)
+    assert all(not (a & b) for i, a in enumerate(keys) for b in keys[i + 1:]), \
+        f"students change overlapping sets of cells: {[sorted(k) for k in keys]}"
+    lists = list(groups.values())
+    return [one_notebook(full, base, *(lst[i] for lst in lists if i < len(lst)))
+            for i in range(max(map(len, lists)))]
+
+
 def _solution_sources(lesson):
     """grade_id -> the solution cell's code with the BEGIN/END SOLUTION markers removed."""
     nb = json.loads((ROOT / "solutions" / lesson / f"{lesson}.ipynb").read_text())

@@ -7,7 +7,7 @@ numerics' 4 points only; the checks clear gradients with the base class's zero_g
 broken zero_grad costs test_zero_grad's point only.
 """
 
-from . import SOLUTION, Student, correct, full_marks, untouched
+from . import SOLUTION, Student, correct, full_marks, one_per_exercise, untouched
 
 LESSON = "01_adam"
 KEEP = ('os.environ["ZEROKIT_LAUNCHER"]',)  # the imports (torch) and the launcher choice
@@ -98,3 +98,7 @@ STUDENTS = [
             cells={"my_adam": SOLUTION, "model_state_bytes": SOLUTION,
                    "answers": SOLUTION_ANSWERS.replace("(1 - 0.95) ** 0.5", "(1 - 0.95)")}),
 ]
+
+# Each mistake above is one student; graded as few notebooks as their cells allow, one mistake per exercise
+# in each (one_per_exercise: the checks grade an exercise with zerokit's versions of the others).
+STUDENTS = [*STUDENTS[:2], *one_per_exercise(FULL, STUDENTS[2:])]

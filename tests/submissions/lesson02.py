@@ -5,7 +5,7 @@ The class checks use a reference average_gradients in place of the student's, so
 mean costs exercise (a)'s 3 points only. Every defect student answers the questions right.
 """
 
-from . import SOLUTION, Student, correct, full_marks, solution_with, untouched
+from . import SOLUTION, Student, correct, full_marks, one_per_exercise, solution_with, untouched
 
 LESSON = "02_distributed_adam"
 KEEP = ("import zerokit", 'os.environ["ZEROKIT_LAUNCHER"]')
@@ -109,3 +109,7 @@ STUDENTS = [
             {**FULL, "test_questions": 0}, reason="1 of 5 answers are not right yet: bytes_per_rank_n8",
             cells={"average_gradients": SOLUTION, "distributed_adam_class": SOLUTION, "answers": WRONG_ANSWERS}),
 ]
+
+# Each mistake above is one student; graded as few notebooks as their cells allow, one mistake per exercise
+# in each (one_per_exercise: the checks grade an exercise with zerokit's versions of the others).
+STUDENTS = [*STUDENTS[:2], *one_per_exercise(FULL, STUDENTS[2:])]

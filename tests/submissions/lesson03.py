@@ -5,7 +5,7 @@ test_zero1_collectives 2, test_questions 2 (the stretch exercise's cell is not g
 Each defect is in one exercise and must cost only the checks meant to catch it.
 """
 
-from . import SOLUTION, Student, correct, full_marks, solution_with, untouched
+from . import SOLUTION, Student, correct, full_marks, one_per_exercise, solution_with, untouched
 
 LESSON = "03_zero1"
 KEEP = ("import zerokit",)  # the imports cell (it also picks the forkserver launcher)
@@ -119,3 +119,7 @@ STUDENTS = [
             {**ZERO, "test_shard_range": 2, "test_questions": FULL["test_questions"]}, reason="torch.optim.AdamW",
             cells={"shard_range": SOLUTION, "zero1_class": CALLS_ADAMW, "answers": SOLUTION}),
 ]
+
+# Each mistake above is one student; graded as few notebooks as their cells allow, one mistake per exercise
+# in each (one_per_exercise: the checks grade an exercise with zerokit's versions of the others).
+STUDENTS = [*STUDENTS[:2], *one_per_exercise(FULL, STUDENTS[2:])]

@@ -7,7 +7,7 @@ run the student's hooks on zerokit's gather/free, so a defect in one exercise co
 exercise only; and right numbers from full copies cost test_parameters_sharded.
 """
 
-from . import SOLUTION, Student, correct, full_marks, method_replaced, untouched
+from . import SOLUTION, Student, correct, full_marks, method_replaced, one_per_exercise, untouched
 
 LESSON = "05_zero3"
 # The cell the exercises need besides their own (the launcher choice, imports); the demo
@@ -199,3 +199,7 @@ STUDENTS = [
             cells={"sharded_parameters": SOLUTION, "my_zero3": SOLUTION,
                    "understanding": lambda solution: solution + '\nanswers["zero3_mb_paper"] = 1880  # BUG: 1875\n'}),
 ]
+
+# Each mistake above is one student; graded as few notebooks as their cells allow, one mistake per exercise
+# in each (one_per_exercise: the checks grade an exercise with zerokit's versions of the others).
+STUDENTS = [*STUDENTS[:2], *one_per_exercise(FULL, STUDENTS[2:])]

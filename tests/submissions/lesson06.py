@@ -6,7 +6,7 @@ but for rounded_answer). The optimizer's checks run it with zerokit's scaler, so
 exercise costs only that exercise's checks.
 """
 
-from . import SOLUTION, Student, correct, full_marks, solution_with, untouched
+from . import SOLUTION, Student, correct, full_marks, one_per_exercise, solution_with, untouched
 
 LESSON = "06_mixed_precision"
 KEEP = ("import zerokit",)  # the imports cell (it also picks the forkserver launcher)
@@ -155,3 +155,7 @@ STUDENTS = [
             {**FULL, "test_overflow_step": 0}, reason="step 2 was skipped (rank 1's gradient of",
             cells={"loss_scaler": SOLUTION, "master_adam": COUNTS_SKIPPED, "understanding": SOLUTION}),
 ]
+
+# Each mistake above is one student; graded as few notebooks as their cells allow, one mistake per exercise
+# in each (one_per_exercise: the checks grade an exercise with zerokit's versions of the others).
+STUDENTS = [*STUDENTS[:2], *one_per_exercise(FULL, STUDENTS[2:])]

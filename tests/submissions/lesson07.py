@@ -9,7 +9,7 @@ padding; a consolidation that keeps the padding, duplicates a tied weight, keeps
 in its 16-bit saved dtype, or reads a whole shard before cutting it) each cost one check.
 """
 
-from . import SOLUTION, Student, correct, full_marks, solution_with, untouched
+from . import SOLUTION, Student, correct, full_marks, one_per_exercise, solution_with, untouched
 
 LESSON = "07_checkpoints"
 KEEP = ("import zerokit",)  # the imports cell (it also picks the forkserver launcher)
@@ -167,3 +167,7 @@ STUDENTS = [
             {**FULL, "test_consolidate": 0}, reason="is a copy of",
             cells=_with(consolidate=_duplicates_tied)),
 ]
+
+# Each mistake above is one student; graded as few notebooks as their cells allow, one mistake per exercise
+# in each (one_per_exercise: the checks grade an exercise with zerokit's versions of the others).
+STUDENTS = [*STUDENTS[:2], *one_per_exercise(FULL, STUDENTS[2:])]

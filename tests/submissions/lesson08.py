@@ -7,7 +7,7 @@ the disk step); test_understanding 2. Every defect answers the questions, so it 
 the points of its own check.
 """
 
-from . import SOLUTION, Student, correct, full_marks, solution_with, untouched
+from . import SOLUTION, Student, correct, full_marks, one_per_exercise, solution_with, untouched
 
 LESSON = "08_beyond_model_states"
 # The cell the exercises need besides their own (the launcher choice, imports); the demo
@@ -75,3 +75,7 @@ STUDENTS = [
             cells=_with("disk_adam_step", "    for a in range(0, n, chunk_numel):\n        b = min(a + chunk_numel, n)",
                         "    for a in range(0, n, n):  # BUG: one chunk, all of it\n        b = n")),
 ]
+
+# Each mistake above is one student; graded as few notebooks as their cells allow, one mistake per exercise
+# in each (one_per_exercise: the checks grade an exercise with zerokit's versions of the others).
+STUDENTS = [*STUDENTS[:2], *one_per_exercise(FULL, STUDENTS[2:])]

@@ -9,7 +9,7 @@ per-tensor scale, which check_quantize names and which also shows in training (t
 blocks train as exact ZeRO-3 does).
 """
 
-from . import SOLUTION, Student, correct, full_marks, method_replaced, solution_with, untouched
+from . import SOLUTION, Student, correct, full_marks, method_replaced, one_per_exercise, solution_with, untouched
 
 LESSON = "11_zeropp"
 KEEP = ("import zerokit",)  # the imports cell (it also picks the forkserver launcher)
@@ -193,10 +193,9 @@ def _student(name, defect, lost, reason, cell, edit):
     return Student(name, defect, {**FULL, **dict.fromkeys(lost, 0)}, reason=reason, cells=cells)
 
 
-STUDENTS = [
-    correct(LESSON, "hpz_class", "quantize", "qwz_gather", "answers"),
-    # the stub's reason and the questions' both ask whether the cell is still the stub
-    untouched(LESSON, "still the stub"),
+EXERCISES = ("hpz_class", "quantize", "qwz_gather", "answers")
+# one mistake each; graded as few notebooks, one mistake per exercise in each (one_per_exercise)
+DEFECTS = [
     _student("hpz_across_nodes", "backward gathers the primary shards over every rank, the secondary shard unused",
              ["test_hpz_traffic"], "gathered across nodes in backward", "hpz_class", HPZ_ACROSS_NODES),
     _student("hpz_keeps_whole_unit", "a secondary shard kept, but the unit not freed after forward",
@@ -235,4 +234,11 @@ STUDENTS = [
              ["test_qwz_gather"], "not the world's", "qwz_gather", QWZ_WORLD_SIZE),
     _student("qwz_own_chunk_exact", "this rank's own chunk copied from its exact shard",
              ["test_qwz_gather"], "own chunk", "qwz_gather", QWZ_OWN_CHUNK_EXACT),
+]
+
+STUDENTS = [
+    correct(LESSON, *EXERCISES),
+    # the stub's reason and the questions' both ask whether the cell is still the stub
+    untouched(LESSON, "still the stub"),
+    *one_per_exercise(FULL, DEFECTS),
 ]
