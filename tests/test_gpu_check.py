@@ -191,3 +191,26 @@ def test_lesson00_says_when_the_result_is_on_another_device():
 
     with pytest.raises(CheckFailed, match="returned a tensor on meta for an input on cpu"):
         lesson00.check_numerics(elsewhere)
+
+
+def test_the_shared_fsdp2_row_fails_alone_keeping_the_groups_other_rows(monkeypatch, tmp_path):
+    """Two ranks on one GPU over gloo may fail where N = 1 does not (gloo with CUDA tensors): that row says so,
+    failed, and the group's other rows stay."""
+    from zerokit.bench import fsdp2 as bench
+
+    figures = {"step_time_s": {"median": 0.01}, "peak_bytes": 1024, "final_loss": 1.0}
+    monkeypatch.setattr(bench, "run", lambda **kw: {"meta": {"device": "cpu"}, "rows": [
+        {"policy": "fp32", "zerokit": figures, "torch": figures, "ratios": {"time": 1.0, "memory": 1.0},
+         "losses_bitwise": True, "weights_bitwise": True}]})
+
+    def launch(fn, world_size, *args, **kw):
+        if fn is gpu_check._shared_fsdp2:
+            raise RuntimeError("a rank failed\nValueError: gloo cannot reduce-scatter these tensors")
+        place = {"parameters": ["cpu"], "output": "cpu", "loss": 1.0}
+        return [{"torch": place, "zerokit": place}]
+
+    monkeypatch.setattr(gpu_check, "_launch", launch)
+    rows = {r.path: r for r in gpu_check.fsdp2(Target("cpu"), tmp_path)}
+    assert rows["fsdp2 N=1 fp32 (cpu)"].ok and rows["fsdp2 default mesh (cpu)"].ok, rows
+    shared = rows["fsdp2 gloo N=2 on cpu"]
+    assert not shared.ok and shared.figure == "RuntimeError: ValueError: gloo cannot reduce-scatter these tensors"
