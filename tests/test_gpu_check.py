@@ -193,6 +193,8 @@ def test_lesson00_says_when_the_result_is_on_another_device():
         lesson00.check_numerics(elsewhere)
 
 
+# importing the bench's fsdp2 in this process imports torch's FSDP, whose TorchScript use warns of deprecation
+@pytest.mark.filterwarnings("ignore:`torch.jit:DeprecationWarning")
 def test_the_shared_fsdp2_row_fails_alone_keeping_the_groups_other_rows(monkeypatch, tmp_path):
     """Two ranks on one GPU over gloo may fail where N = 1 does not (gloo with CUDA tensors): that row says so,
     failed, and the group's other rows stay."""
