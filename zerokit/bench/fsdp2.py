@@ -103,7 +103,7 @@ def build(config, model_cfg, device, seed, mesh):
     return model, torch.optim.AdamW(model.parameters(), **HYPER)
 
 
-def _full_weights(model):
+def full_weights(model):
     """{name: the full tensor} of a sharded model's parameters (an all-gather each), in fp32 on the CPU.
     Resharded first: after a forward without backward (the eval loss) the root shows its unsharded
     parameters, in both systems (FSDP2 keeps the root gathered after forward)."""
@@ -150,7 +150,7 @@ def worker(rank, world_size, opts):
             turns.append(min(chunk, steps - start))
         profiles = _profile(runs, impls, opts["profile"]) if opts["profile"] else None
         results = {impl: run.result() for impl, run in runs.items()}
-        weights = {impl: _full_weights(run.model) for impl, run in runs.items()}
+        weights = {impl: full_weights(run.model) for impl, run in runs.items()}
         same = all(torch.equal(weights["zerokit"][n], w) for n, w in weights["torch"].items())
         apart = max((weights["zerokit"][n] - w).abs().max().item() for n, w in weights["torch"].items())
         out.append({"policy": name, "turns": turns, "runs": results, "weights_bitwise": same, "weights_apart": apart,

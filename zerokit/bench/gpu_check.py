@@ -503,7 +503,7 @@ def _shared_fsdp2(rank, world_size, preset, steps):
         for step in range(steps):
             x, y = rank_batch(cfg, step, rank, world_size, device)
             losses.append(float(train_step(model, opt, x, y, cfg)))
-        out[impl] = {"losses": losses, "weights": bench._full_weights(model)}
+        out[impl] = {"losses": losses, "weights": bench.full_weights(model)}
     return out
 
 
