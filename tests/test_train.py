@@ -10,8 +10,9 @@ sequences of 32 bytes, fp32 unless said:
   and 2 (hpZ) at stage 3 on 4 ranks give the same curve bit for bit, and FSDP2's with the same, bit for bit;
 - bf16 (each stage's own mixed precision) within 2% of fp32's mean loss;
 - two torchrun agents on this machine acting as two nodes of 2 processes (c10d rendezvous on
-  127.0.0.1, the same command on both, no --node-rank) give the same losses, bit for bit, as one
-  node of 4 ranks; the README's two-node command passes no --node-rank either;
+  127.0.0.1, its store the test's own, the same command on both, no --node-rank) give the same
+  losses, bit for bit, as one node of 4 ranks; the README's two-node command passes no --node-rank
+  either;
 - a job checkpointed at step 2 on 2 ranks and resumed on 4 continues the uninterrupted
   curve (within 1e-5), its result holding the whole curve from step 1, and a resume with another
   batch is refused (its data position would mean other samples);
@@ -51,6 +52,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
 from conftest import run_ranks
 from zerokit.train import KILL_ENV, checkpoints, main, parse_args, scan, train
@@ -153,23 +155,27 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _torchrun(out, *agent_args, nproc):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-                             *agent_args, "-m", "zerokit.train", "--stage", "3", *SMALL, "--out", str(out)],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
 @pytest.mark.timeout(240)
 def test_two_torchrun_nodes_equal_one_node_of_four(tmp_path):
-    port = _free_port()
-    # last_call_timeout: the c10d rendezvous otherwise waits 30 s for more nodes than --nnodes asks
-    rdzv = ["--nnodes=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=capstone",
-            "--rdzv-conf=last_call_timeout=1"]
+    # The rendezvous store is this test's, on a port the kernel gives it as it binds: a port chosen
+    # free and bound later by an agent can be taken meanwhile by another test's gloo listener, and
+    # then both agents wait on a socket that never answers (measured: both still waiting after
+    # 150 s). Both agents join it as clients (is_host=false), as nodes join an etcd or a head node.
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, multi_tenant=True, wait_for_workers=False)
+    # last_call_timeout: the c10d rendezvous otherwise waits 30 s for more nodes than --nnodes asks;
+    # join_timeout: a node that never comes fails the job within the test's time, with its log
+    rdzv = ["--nnodes=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{store.port}", "--rdzv-id=capstone",
+            "--rdzv-conf=is_host=false,last_call_timeout=1,join_timeout=90"]
     # the same command on both nodes: the c10d rendezvous numbers them (torchrun ignores --node-rank under it)
-    nodes = [_torchrun(tmp_path / "two.json", *rdzv, nproc=2) for _ in (0, 1)]
-    logs = [n.communicate(timeout=180)[0] for n in nodes]
-    assert all(n.returncode == 0 for n in nodes), "\n".join(log[-2000:] for log in logs)
+    train_args = ["--stage", "3", *SMALL, "--out", str(tmp_path / "two.json")]
+    nodes = [_start_job(tmp_path, *rdzv, nproc=2, train_args=train_args) for _ in (0, 1)]
+    try:
+        finished = [_finish_job(n, timeout=150) for n in nodes]
+    finally:  # a node left waiting when the other failed or hung
+        for n in nodes:
+            if n.poll() is None:
+                os.killpg(n.pid, signal.SIGKILL)
+    assert all(rc == 0 for rc, _ in finished), "\n".join(log[-2000:] for _, log in finished)
     double = json.loads((tmp_path / "two.json").read_text())
     single = run_ranks(_runs, 4, [["--stage", "3"]])[0][0]  # one node: 4 ranks of one launch, one thread each
     assert single["world_size"] == double["world_size"] == 4
