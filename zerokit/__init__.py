@@ -27,7 +27,9 @@ collectives, the reduce-scatter and all-gather the stages call (direct on gloo).
 
 The machinery, in wings the course modules never import: launcher/ (`zerokit.launch`:
 a callable on N ranks), grading/ (the checks the notebooks' test cells call, and the
-nbgrader flow), bench/ (`make bench`, `make demo`).
+nbgrader flow), bench/ (`make bench`, `make demo`), and stages.py, the four stages as records
+(what each shards, its classes, who clips and who scales a loss), which train/, bench/ and
+checkpoint/ ask instead of testing a stage's number.
 """
 
 from .adam import Adam, adamw_update_

@@ -18,7 +18,6 @@ memory by category, and the final loss's difference from DDP + AdamW's.
 The files, in the order a run goes through them (each module's docstring says what it
 measures and how):
 
-    stages.py      stage name -> zerokit optimizer: the one factory the bench and the demo share
     workload.py    model presets, AdamW's hyperparameters, each rank's slice of the data, one step
     systems.py     the eight configurations: each stage by zerokit and by its PyTorch peer
     accounting.py  memory by category and bytes communicated, sampled over one instrumented step

@@ -7,6 +7,8 @@ buckets, units and the order its units ran in, so they read those internals: `op
 `opt.world_size`, `opt.max_in_flight`, `opt.units`, `opt._order` and `opt._last_order`.
 """
 
+from zerokit.stages import get_stage
+
 FP32 = 4  # bytes per element: the demo trains in fp32
 
 
@@ -38,13 +40,14 @@ def buffer_bytes(stage, opt, model=None):
     awaited, which only the allocator's peak would show.
     """
     out = {}
-    if stage not in ("zero2", "zero3"):
+    s = get_stage(stage)
+    if not s.shards_gradients:
         return out  # data parallel and ZeRO-1 hold nothing beyond the table (the bucket is the gradient)
     sharded = FP32 * sum(b.param_numel for b in opt.buckets) / opt.world_size  # the paper's 4 Ψ / N
     names = {id(m): n for n, m in model.named_modules()} if model is not None else {}
     peak, where = gradient_peak(opt, names)
     out["gradients"] = (peak - sharded, where)
-    if stage == "zero3":
+    if s.shards_parameters:
         peak, where = gathered_peak(opt, names)
         out["parameters"] = (peak - sharded, where)
     return out

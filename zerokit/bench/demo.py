@@ -26,10 +26,10 @@ from pathlib import Path
 
 import torch
 
+from zerokit.stages import STAGE_NAMES, get_stage, lessons_optimizer
 from zerokit.widgets import progress as progress_bar
 
 from .buffers import buffer_bytes
-from .stages import STAGES, make_optimizer
 
 LABELS = {"ddp": "data parallel", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3"}
 CATEGORIES = ("parameters", "gradients", "optimizer_states")
@@ -55,7 +55,7 @@ def measure(rank, world_size, stage, steps=3, micro_batch=4):
     torch.manual_seed(0)
     model = TinyTransformer(**MODEL)
     psi = num_parameters(model)
-    opt = make_optimizer(stage, model, lr=1e-3, bucket_mb=BUCKET_MB, units=zero3_units(model))
+    opt = lessons_optimizer(stage, model, lr=1e-3, bucket_mb=BUCKET_MB, units=zero3_units(model))
 
     def step(i, probe=None, comm=None):
         x, y = make_batch("transformer", micro_batch, seed=1000 * i + rank, vocab=MODEL["vocab"], seq_len=MODEL["seq_len"])
@@ -74,7 +74,7 @@ def measure(rank, world_size, stage, steps=3, micro_batch=4):
     step_time = (time.perf_counter() - t0) / (steps - 1) if steps > 1 else float("nan")
     probe, comm = MemoryProbe(model, opt), CommCounter()
     loss = step(steps - 1, probe, comm)
-    gathered = opt.gathered() if stage == "zero3" else nullcontext()
+    gathered = get_stage(stage).gathered(opt)
     with gathered:
         checksum = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
     return {
@@ -91,10 +91,10 @@ def run(world_sizes=(2, 4), steps=3):
     from zerokit import launch, theory_bytes, theory_volume
 
     rows = []
-    bar = progress_bar(total=len(world_sizes) * len(STAGES), desc="demo")
+    bar = progress_bar(total=len(world_sizes) * len(STAGE_NAMES), desc="demo")
     for n in world_sizes:
         reference = None
-        for stage in STAGES:
+        for stage in STAGE_NAMES:
             t0 = time.perf_counter()
             results = launch(measure, world_size=n, args=(stage, steps), launcher="forkserver", timeout=300)
             r = results[0]

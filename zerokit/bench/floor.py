@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 import zerokit
 from zerokit.collectives import all_gather, reduce_scatter
+from zerokit.stages import get_stage
 
 from .timing import time_together
 from .workload import HYPER, loss_of, make_model, rank_batch
@@ -30,16 +31,13 @@ class Floor:
     one flat fp32 buffer.
     """
 
-    COLLECTIVES = {"ddp": ("all_reduce",), "zero1": ("reduce_scatter", "all_gather"),
-                   "zero2": ("reduce_scatter", "all_gather"), "zero3": ("reduce_scatter", "all_gather", "all_gather")}
-
     def __init__(self, stage, rank, world_size, opts, device, psi):
         self.device = device
         self.model_cfg = opts["model"]
         self.model = make_model(opts["model"], device, opts["seed"])
         self.x, self.y = rank_batch(opts["model"], 0, rank, world_size, device)
         shard = -(-psi // world_size)
-        n = psi if stage == "ddp" else shard
+        n = shard if get_stage(stage).shards_optimizer_state else psi  # the elements this rank updates
         self.flat = torch.zeros(n, device=device, requires_grad=True)
         self.flat.grad = torch.randn(n, device=device)
         try:
@@ -54,7 +52,7 @@ class Floor:
             self.update_impl = "zerokit.adamw_update_"
         self.full = torch.randn(shard * world_size, device=device)
         self.part = torch.empty(shard, device=device)
-        self.collectives = self.COLLECTIVES[stage]
+        self.collectives = get_stage(stage).collectives
         self.times = {"forward_backward": [], "update": [], "comm": []}
         self.train(timed=False)
 

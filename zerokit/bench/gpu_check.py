@@ -44,13 +44,13 @@ import zerokit
 from zerokit.bench import alignment as align
 from zerokit.bench import lesson_grades
 from zerokit.bench import odd_shapes as odd
-from zerokit.bench.stages import STAGES, make_optimizer
 from zerokit.bench.workload import MODELS, make_model, rank_batch
 from zerokit.launcher.backend import DEVICE_ENV
 from zerokit.memory import MemoryProbe, census, theory_bytes
 from zerokit.mixed_precision import MixedPrecision
 from zerokit.models import build_model, model_loss, num_parameters
 from zerokit.reference import global_batch, rank_slice
+from zerokit.stages import STAGE_NAMES, get_stage, lessons_optimizer
 
 KIND, BATCH, STEPS, LR, WD = "transformer", 12, 8, 1e-2, 0.1  # the zoo's transformer memorises one batch
 FP32_ATOL = 1e-5  # the graders' fp32 tolerance (zerokit.grading.compare.TOLERANCES)
@@ -115,7 +115,7 @@ def _reference(device):
 
 
 def _full_weights(stage, model, opt):
-    gathered = opt.gathered() if stage == "zero3" else contextlib.nullcontext()
+    gathered = get_stage(stage).gathered(opt)
     with gathered:  # copies: ZeRO-3 frees the gathered storage on leaving the block
         return {n: p.detach().to("cpu", torch.float32, copy=True) for n, p in model.named_parameters()}
 
@@ -125,7 +125,7 @@ def _train(rank, world_size, stage, precision, device, offload=None, model=None)
     and the model."""
     model = model or build_model(KIND).to(device)
     where = {} if offload is None else {"offload": offload}  # DistributedAdam has no offload=
-    opt = make_optimizer(stage, model, lr=LR, weight_decay=WD, precision=precision, **where)
+    opt = lessons_optimizer(stage, model, lr=LR, weight_decay=WD, precision=precision, **where)
     x, y = _batch(rank, world_size, device)
     losses = []
     for _ in range(STEPS):
@@ -202,10 +202,10 @@ def _memory(rank, world_size, preset):
     _warm_up(rank, world_size, device)
     base_cuda, base_census = _allocated(device), census(None, None, device.type)["total"]
     out = []
-    for stage in STAGES:
+    for stage in STAGE_NAMES:
         model = make_model(cfg, device, seed=0)
         psi = num_parameters(model)
-        opt = make_optimizer(stage, model, lr=1e-3)
+        opt = lessons_optimizer(stage, model, lr=1e-3)
         x, y = rank_batch(cfg, 0, rank, world_size, device)
         with MemoryProbe(model, opt, device=device.type) as probe:
             model_loss("transformer", model(x), y).backward()
@@ -246,7 +246,7 @@ def _offload(rank, world_size, preset, place, runs):
             before = _allocated(device)
             model = make_model(cfg, device, seed=0)
             psi = num_parameters(model)  # before the optimizer: ZeRO-3 leaves the parameters empty
-            opt = make_optimizer(stage, model, lr=1e-3, precision=precision, offload=where)
+            opt = lessons_optimizer(stage, model, lr=1e-3, precision=precision, offload=where)
             weights[where], losses[where] = [], []
             for step in range(3):
                 x, y = rank_batch(cfg, step, rank, world_size, device)
@@ -288,7 +288,7 @@ def _checkpoint(rank, world_size, stages, folder):
         saved_state = [(s.exp_avg.cpu(), s.exp_avg_sq.cpu()) for s in opt.state_shards()]
         zerokit.checkpoint.save(path, trained, opt)
         model = build_model(KIND).to(device)
-        fresh = make_optimizer(stage, model, lr=LR, weight_decay=WD)
+        fresh = lessons_optimizer(stage, model, lr=LR, weight_decay=WD)
         zerokit.checkpoint.load(path, model, fresh)
         loaded = _full_weights(stage, model, fresh)
         state = [(s.exp_avg.cpu(), s.exp_avg_sq.cpu()) for s in fresh.state_shards()]
@@ -346,7 +346,7 @@ def _stage_rows(label, result):
     return rows
 
 
-ALL_RUNS = [(s, p) for p in ("fp32", "bf16", "fp16") for s in STAGES]
+ALL_RUNS = [(s, p) for p in ("fp32", "bf16", "fp16") for s in STAGE_NAMES]
 
 
 def single_rank(target):
@@ -357,7 +357,7 @@ def single_rank(target):
 
 def shared_gpu(target):
     """Two ranks on one GPU: gloo with CUDA tensors (ZEROKIT_DEVICE=cuda), each stage in fp32."""
-    runs = [(s, "fp32") for s in STAGES]
+    runs = [(s, "fp32") for s in STAGE_NAMES]
     result = _launch(_against_adamw, 2, runs, env={DEVICE_ENV: target.device}, backend="gloo")[0]
     return _stage_rows(f"gloo N=2 on {result['device']}", result)
 
@@ -748,14 +748,14 @@ COVERS = {
     # the capstone's script: where a rank runs, its peers on that device, MFU's peak, the bench of its stages
     "train": ["zerokit/train/device.py:placement", "zerokit/train/device.py:local_placement",
               "zerokit/train/device.py:prepare", "zerokit/train/device.py:take_place", "zerokit/train/build.py:build",
-              "zerokit/train/peers.py:build_peer", "zerokit/train/speed.py:device_peak",
+              "zerokit/stages.py:torch_peer", "zerokit/train/speed.py:device_peak",
               "zerokit/train/options.py:parse_args", "zerokit/train/job.py:main",
               "zerokit/bench/train_peers.py:measure", "zerokit/bench/train_peers.py:_sync",
               "zerokit/bench/train_peers.py:main", "zerokit/bench/train_peers.py:table"],
     "alignment": ["zerokit/bench/alignment.py:_sync"],  # 16 or 128 bytes, timed on the device
     "bench": ["zerokit/bench/accounting.py:allocated_bytes", "zerokit/bench/accounting.py:Instrument.__enter__",
               "zerokit/bench/accounting.py:Instrument.__exit__", "zerokit/bench/runs.py:run_stage",
-              "zerokit/bench/systems.py:_torch_peer", "zerokit/bench/timing.py:sync",
+              "zerokit/bench/timing.py:sync",
               "zerokit/fully_shard/wrapper.py:FullyShard.__init__"],  # wrapper-zero3: FullyShard's mesh on the GPU
     # zerokit.fully_shard on the device: its default mesh and device, the root moving the inputs there
     # (the shared row: two ranks on one GPU, where the reduce-scatter and the prefetch are asynchronous)

@@ -15,10 +15,10 @@ import torch
 
 import zerokit
 from zerokit.comm import theory_volume
+from zerokit.stages import DDP_OPTIONS, STAGE_NAMES, ZERO_REDUNDANCY_OPTIONS
 
 from .accounting import MODEL_STATE
-from .stages import STAGES
-from .systems import BASELINE, CONFIGS, DDP_OPTIONS, FULLY_SHARD_SETTINGS, SYSTEMS, ZERO_REDUNDANCY_OPTIONS
+from .systems import BASELINE, CONFIGS, FULLY_SHARD_SETTINGS, SYSTEMS
 from .workload import HYPER
 
 
@@ -98,7 +98,7 @@ def summarize(per_rank, opts, world_size):
                                           default=0.0)
     ratios = []
     settings = [""] + list(FULLY_SHARD_SETTINGS)
-    for stage, system, setting in ((st, sy, se) for se in settings for sy in SYSTEMS for st in STAGES):
+    for stage, system, setting in ((st, sy, se) for se in settings for sy in SYSTEMS for st in STAGE_NAMES):
         def find(system):
             return next((c for c in configs if c["stage"] == stage and c["system"] == system
                          and c["setting"] == setting), None)

@@ -5,7 +5,7 @@ r"""`python -m zerokit.bench --sweep`: how cost grows with the model size Ψ and
     python -m zerokit.bench --sweep --world-sizes 2 --stages zero2 zero3
 
 For each N, one `zerokit.launch` runs every Ψ and stage (data parallel, ZeRO-1, ZeRO-2, ZeRO-3:
-zerokit's classes, from the factory in stages.py) in turn. Ψ grows by doubling from
+zerokit's classes, zerokit.stages.lessons_optimizer) in turn. Ψ grows by doubling from
 --min-params up to --max-params (or the largest that fits in memory, whichever is smaller)
 through the width of a TinyTransformer whose depth, vocabulary and sequence are fixed
 (`model_for`). Per configuration, per rank, as the bench measures them:
@@ -53,10 +53,10 @@ import zerokit
 from zerokit.comm import CommCounter, WireCounter, theory_volume
 from zerokit.memory import census, theory_bytes
 from zerokit.models import loss_for
+from zerokit.stages import STAGE_NAMES, lessons_optimizer
 from zerokit.widgets import progress
 
 from .accounting import MODEL_STATE, Held, Instrument, allocated_bytes
-from .stages import STAGES, make_optimizer
 from .timing import time_together
 from .workload import HYPER, make_model, rank_batch, train_step
 
@@ -129,7 +129,7 @@ def measure(stage, cfg, rank, world_size, device, opts):
     baseline = allocated_bytes(device)
     model = make_model(cfg, device, opts["seed"])
     psi = sum(p.numel() for p in model.parameters())
-    opt = make_optimizer(stage, model, units=zero3_units(model) if stage == "zero3" else None, **HYPER)
+    opt = lessons_optimizer(stage, model, units=zero3_units(model), **HYPER)  # only ZeRO-3 has units
     step = 0
 
     def batch():
@@ -224,14 +224,14 @@ def combine(per_rank, world_size, cfg_by_psi):
     return rows
 
 
-def run(world_sizes=(1, 2, 4), min_params=MIN_PARAMS, max_params=MAX_PARAMS, stages=STAGES, steps=5, warmup=1,
+def run(world_sizes=(1, 2, 4), min_params=MIN_PARAMS, max_params=MAX_PARAMS, stages=STAGE_NAMES, steps=5, warmup=1,
         seed=0, launcher="forkserver", timeout=1800.0, out_dir="bench-results", make_plot=True, peak=True,
         **shape):
     """Run the sweep, write sweep.json (and sweep.png); returns the summary."""
     stages = list(stages)
-    unknown = set(stages) - set(STAGES)
+    unknown = set(stages) - set(STAGE_NAMES)
     if unknown:
-        raise ValueError(f"unknown stages {sorted(unknown)}; choose from {STAGES}")
+        raise ValueError(f"unknown stages {sorted(unknown)}; choose from {STAGE_NAMES}")
     shape = {k: v for k, v in shape.items() if v is not None}
     available = available_bytes()
     models, skipped = {n: [] for n in world_sizes}, []
@@ -314,7 +314,7 @@ def plot(summary, path):
     rows, meta = summary["rows"], summary["meta"]
     colors = {"ddp": "#4e79a7", "zero1": "#f28e2b", "zero2": "#59a14f", "zero3": "#e15759"}
     ns = sorted({r["world_size"] for r in rows})
-    stages = [s for s in STAGES if any(r["stage"] == s for r in rows)]
+    stages = [s for s in STAGE_NAMES if any(r["stage"] == s for r in rows)]
     markers = dict(zip(ns, ("o", "s", "^", "D", "v", "P")))
     dashes = dict(zip(ns, ("-", "--", ":", "-.", (0, (5, 1)), (0, (1, 3)))))
     psis = sorted({r["psi"] for r in rows})
@@ -415,7 +415,7 @@ def format_table(summary):
     lines = [f"{'Ψ':>9} {'N':>2} {'stage':<13}{'step':>9}{'state':>9}{'theory':>9}{'ratio':>7}"
              f"{'volume':>9}{'ratio':>7}{'wire':>9}{'ratio':>7}",
              f"{'':>9} {'':>2} {'':<13}{'ms':>9}{'MiB':>9}{'MiB':>9}{'':>7}{'MiB':>9}{'':>7}{'MiB':>9}{'':>7}"]
-    for r in sorted(summary["rows"], key=lambda r: (r["psi"], r["world_size"], STAGES.index(r["stage"]))):
+    for r in sorted(summary["rows"], key=lambda r: (r["psi"], r["world_size"], STAGE_NAMES.index(r["stage"]))):
         ms, c = r["model_state"], r["comm"]
         wire = "-" if c["wire_bytes"] is None else f"{c['wire_bytes'] / mib:.2f}"
         wr = "-" if c["wire_ratio"] is None else f"{c['wire_ratio']:.3f}"
@@ -434,7 +434,7 @@ def main(argv=None):
     p.add_argument("--min-params", type=float, default=MIN_PARAMS, help="the smallest Ψ (then doubling)")
     p.add_argument("--max-params", type=float, default=MAX_PARAMS,
                    help="the largest Ψ (lowered to what fits in half the available memory)")
-    p.add_argument("--stages", nargs="+", choices=STAGES, default=list(STAGES), help="zerokit's classes")
+    p.add_argument("--stages", nargs="+", choices=STAGE_NAMES, default=list(STAGE_NAMES), help="zerokit's classes")
     p.add_argument("--steps", type=int, default=5, help="timed steps per configuration")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps before the instrumented one")
     p.add_argument("--n-layers", type=int, default=SHAPE["n_layers"], help="depth (the width is the knob)")

@@ -59,14 +59,8 @@ flight are larger).
 
 from dataclasses import dataclass
 
-import torch
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.nn.parallel import DistributedDataParallel as DDP
+from zerokit.stages import get_stage, lessons_optimizer, torch_peer, wrapper
 
-from zerokit.train.peers import DDP_OPTIONS, ZERO_REDUNDANCY_OPTIONS
-
-from .stages import make_optimizer
 from .workload import HYPER, make_model
 
 
@@ -112,8 +106,7 @@ BASELINE = "torch-ddp"  # the loss every other configuration is compared with
 # DDP's communication buckets instead of beside them, and ZeroRedundancyOptimizer's
 # parameters packed into one buffer per rank (one broadcast per rank, not one per tensor).
 # torch.optim.AdamW keeps its defaults (its CPU default is the per-tensor loop).
-# DDP_OPTIONS and ZERO_REDUNDANCY_OPTIONS (imported above) live beside zerokit.train's builder of the same
-# peers (--impl torch), which uses them too.
+# zerokit.stages.torch_peer builds them, for zerokit.train's --impl torch too.
 
 
 def build(config, model_cfg, device, seed):
@@ -121,12 +114,13 @@ def build(config, model_cfg, device, seed):
     model = make_model(model_cfg, device, seed)
     bucket_mib = bucket_size(config.stage, model)
     if config.system == "zerokit":
-        return model, make_optimizer(config.stage, model, bucket_mb=bucket_mib, units=list(model.blocks), **HYPER)
+        return model, lessons_optimizer(config.stage, model, bucket_mb=bucket_mib, units=list(model.blocks), **HYPER)
     reshard = FULLY_SHARD_SETTINGS.get(config.setting, {}).get("reshard_after_forward")
     if config.system == "torch":
-        return _torch_peer(config.stage, model, device, reshard)
-    if config.system == "wrapper":
-        return _wrapper(config.stage, model, bucket_mib, reshard)
+        return torch_peer(config.stage, model, device=device, reshard_after_forward=reshard, **HYPER)
+    if config.system == "wrapper":  # zerokit in PyTorch's shape, with torch's own AdamW, at the same granularity
+        return wrapper(config.stage, model, bucket_mb=bucket_mib, units=list(model.blocks),
+                       reshard_after_forward=reshard, **HYPER)
     raise ValueError(f"unknown system {config.system!r} in configuration {config.name!r}")
 
 
@@ -135,49 +129,12 @@ def bucket_size(stage, model):
     def mib(params):
         return sum(p.numel() * p.element_size() for p in params) / 2**20
 
-    if stage in ("zero1", "ddp"):  # half the model: two buckets, or three where a block does not fit
+    s = get_stage(stage)
+    if not s.shards_gradients:  # ddp, zero1: half the model, two buckets, or three where a block does not fit
         return mib(model.parameters()) / 2
-    return (2 if stage == "zero2" else 1) * mib(model.blocks[0].parameters())
+    return (1 if s.shards_parameters else 2) * mib(model.blocks[0].parameters())
 
 
 def micro_batches(config):
     """Backward passes per step: 2 half-batches for the no-sync rows, else 1."""
     return FULLY_SHARD_SETTINGS.get(config.setting, {}).get("micro_batches", 1)
-
-
-def _torch_peer(stage, model, device, reshard=None):
-    ddp_kw = dict(DDP_OPTIONS, device_ids=[device.index] if device.type == "cuda" else None)
-    if stage == "ddp":
-        model = DDP(model, **ddp_kw)
-        return model, torch.optim.AdamW(model.parameters(), **HYPER)
-    if stage == "zero1":
-        model = DDP(model, **ddp_kw)
-        return model, ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW,
-                                              **ZERO_REDUNDANCY_OPTIONS, **HYPER)
-    if stage in ("zero2", "zero3"):
-        # zero2: nothing resharded after forward (one all-gather per step, like ZeRO-2's
-        # all-gather of updated weights); zero3: FSDP2's default, blocks reshard after
-        # forward and are gathered again for backward, the root stays gathered.
-        reshard = False if stage == "zero2" else reshard
-        for block in model.blocks:
-            fully_shard(block, reshard_after_forward=reshard)
-        fully_shard(model, reshard_after_forward=reshard)
-        return model, torch.optim.AdamW(model.parameters(), **HYPER)
-    raise ValueError(f"unknown stage {stage!r}")
-
-
-def _wrapper(stage, model, bucket_mib, reshard=None):
-    """zerokit in PyTorch's shape, with torch's own AdamW, at the same granularity as above."""
-    import zerokit
-
-    if stage == "ddp":
-        model = zerokit.DataParallel(model, bucket_mb=bucket_mib)
-        return model, torch.optim.AdamW(model.parameters(), **HYPER)
-    if stage == "zero1":
-        return model, zerokit.ZeRO1(model.parameters(), torch.optim.AdamW, bucket_mb=bucket_mib, **HYPER)
-    if stage == "zero2":
-        return model, zerokit.ZeRO2(model.parameters(), torch.optim.AdamW, bucket_mb=bucket_mib, **HYPER)
-    if stage == "zero3":
-        model = zerokit.FullyShard(model, units=list(model.blocks), reshard_after_forward=reshard)
-        return model, torch.optim.AdamW(model.parameters(), **HYPER)
-    raise ValueError(f"unknown stage {stage!r}")

@@ -1,6 +1,8 @@
 """The table `python -m zerokit.bench` prints: one row per configuration, then each stage's
 floor, then zerokit / PyTorch peer ratios, then what each column means."""
 
+from zerokit.stages import get_stage
+
 from .systems import BASELINE
 from .workload import describe
 
@@ -48,7 +50,8 @@ def format_table(summary) -> str:
         k = meta["node_size"]
         lines += ["", f"{'all-gather MiB per step':32s} {'inside a node of ' + str(k):>18s} {'across nodes':>13s}"]
         lines += [f"{c['label']:32s} {mib(c['comm']['all_gather_nodes']['intra']):18.2f} "
-                  f"{mib(c['comm']['all_gather_nodes']['inter']):13.2f}" for c in configs if c["stage"] == "zero3"]
+                  f"{mib(c['comm']['all_gather_nodes']['inter']):13.2f}" for c in configs
+                  if get_stage(c["stage"]).shards_parameters]  # the rows whose gathers the controls change
     width = max([32] + [len(r["zerokit"] + " / " + r["peer"]) for r in summary["ratios"]])
     lines += ["", f"{'zerokit / PyTorch peer':{width}s} {'stage':5s} {'time':>6s} {'peak mem':>8s} "
                   f"{'model state':>11s} {'comm':>6s}"]

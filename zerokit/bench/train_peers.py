@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from zerokit.train.peers import STAGE_PEERS
+from zerokit.stages import get_stage
 
 def cores():
     try:
@@ -138,7 +138,7 @@ def table(rows, n_cores):
         note += " (gloo, ranks sharing GPUs)" if on_gpu and r.get("backend") == "gloo" else ""
         zk, peer = r["zerokit"], r["torch"]
         lines.append(f"| {r['stage']} | {r['world_size']}{note} | {zk['tokens_per_s']:.0f} | {_mfu(zk.get('mfu'))} | "
-                     f"{STAGE_PEERS[r['stage']]} | {peer['tokens_per_s']:.0f} | {_mfu(peer.get('mfu'))} | "
+                     f"{get_stage(r['stage']).peer} | {peer['tokens_per_s']:.0f} | {_mfu(peer.get('mfu'))} | "
                      f"{zk['tokens_per_s'] / peer['tokens_per_s']:.2f} | "
                      f"{zk['final_loss']:.4f} | {peer['final_loss']:.4f} |")
     return "\n".join(lines)

@@ -13,9 +13,9 @@ import torch.distributed as dist
 
 import zerokit
 from zerokit import collectives, comm
+from zerokit.stages import STAGE_NAMES
 
 from .runs import run_stage
-from .stages import STAGES
 from .systems import CONFIGS
 from .workload import loss_of, make_model, rank_batch
 
@@ -45,8 +45,10 @@ def worker(rank, world_size, opts):
     warm_process(rank, world_size, opts, device)
     results, floors = [], {}
     selected = [c for c in CONFIGS if c.name in opts["configs"]]
-    stages = [[c for c in selected if c.stage == st] for st in STAGES]
-    for stage_configs in (g for g in stages if g):
+    by_stage = {name: [] for name in STAGE_NAMES}  # each stage's configurations, the stages in order
+    for c in selected:
+        by_stage[c.stage].append(c)
+    for stage_configs in (g for g in by_stage.values() if g):
         t0 = time.perf_counter()
         stage_results, floors[stage_configs[0].stage] = run_stage(stage_configs, rank, world_size, opts, device, psi)
         for r in stage_results:

@@ -35,6 +35,7 @@ other, at any world size, by names and offsets (zerokit.checkpoint.load); the st
 optimizer class never loads into another.
 """
 
+import functools
 import inspect
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
@@ -50,6 +51,7 @@ from ..elementwise import ZeRO1, ZeRO2
 from ..flat import FlatBucket
 from ..fully_shard import FSDPModule, FullyShard
 from ..muon import ZeRO1Muon
+from ..stages import stage_of
 from ..zero1 import ZeRO1Adam
 from .files import agree
 from .rows import RowBucket, check_row_sharded, is_dtensor, local
@@ -61,28 +63,6 @@ __all__ = ["job_of", "fsdp_modules", "TorchJob", "Piece", "class_name", "state_t
 # Param group keys that say how to compute, not what: never saved, never restored.
 IMPLEMENTATION = ("foreach", "fused", "capturable", "differentiable")
 CHUNK = 1 << 16  # elements of zeros written at once where a shard has no state
-
-
-def job_of(model, opt):
-    """What save and load work with: the lessons' Adam (state.AdamJob) or a torch optimizer's
-    state (a TorchJob, by who holds it). A TypeError for what neither can save."""
-    if isinstance(opt, (ZeRO1, ZeRO2)):  # before Adam's: they are ZeRO1Adam/ZeRO2Adam underneath
-        return ZeROJob(model, opt)
-    if not isinstance(opt, torch.optim.Optimizer):
-        raise TypeError(f"zerokit.checkpoint saves a model with a torch optimizer (zerokit's included), not with "
-                        f"{type(opt).__name__}")
-    if isinstance(opt, ZeRO1Muon):  # before the replicated case: its momentum lives on the owners only
-        return MuonJob(model, opt)
-    if isinstance(opt, (DistributedAdam, ZeRO1Adam)):  # the lessons' Adam: saved as lesson 07 saves it
-        return AdamJob(model, opt)
-    if isinstance(model, FullyShard) or fsdp_modules(model):
-        return DTensorJob(model, opt)  # zerokit.fully_shard's (or torch's) parameters: DTensors of dim-0 rows
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    if isinstance(model, DataParallel) or world == 1:
-        return ReplicatedJob(model, opt)
-    raise TypeError(f"zerokit.checkpoint cannot tell which of {world} ranks holds what of a plain model with "
-                    f"{type(opt).__name__}: wrap the model in zerokit.DataParallel or zerokit.FullyShard (or shard it "
-                    "with zerokit.fully_shard), or shard the optimizer with zerokit.ZeRO1/ZeRO2")
 
 
 def fsdp_modules(model):
@@ -418,7 +398,7 @@ class ZeROJob(_Segments):
 
     def __init__(self, model, opt):
         super().__init__(model, opt, opt.optimizer_class)
-        self.stage = "zero2" if isinstance(opt, ZeRO2) else "zero1"
+        self.stage = stage_of(opt).name  # ZeRO1 is a ZeRO1Adam underneath, ZeRO2 a ZeRO2Adam
         self.groups = opt.param_groups
         self.shards = None
 
@@ -608,3 +588,33 @@ class MuonJob(ReplicatedJob):
             if piece is not None:
                 state[param] = {"momentum_buffer": buffer.reshape(-1)[piece.span].clone()}
         return SimpleNamespace(state=state)
+
+
+def job_of(model, opt):
+    """What save and load work with: the lessons' Adam (state.AdamJob) or a torch optimizer's
+    state (a TorchJob, by who holds it). A TypeError for what neither can save."""
+    return _job_by_optimizer(opt, model)
+
+
+@functools.singledispatch
+def _job_by_optimizer(opt, model):
+    """A torch optimizer of no class registered below: the model's wrapper says who holds what."""
+    if not isinstance(opt, torch.optim.Optimizer):
+        raise TypeError(f"zerokit.checkpoint saves a model with a torch optimizer (zerokit's included), not with "
+                        f"{type(opt).__name__}")
+    if isinstance(model, FullyShard) or fsdp_modules(model):
+        return DTensorJob(model, opt)  # zerokit.fully_shard's (or torch's) parameters: DTensors of dim-0 rows
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if isinstance(model, DataParallel) or world == 1:
+        return ReplicatedJob(model, opt)
+    raise TypeError(f"zerokit.checkpoint cannot tell which of {world} ranks holds what of a plain model with "
+                    f"{type(opt).__name__}: wrap the model in zerokit.DataParallel or zerokit.FullyShard (or shard it "
+                    "with zerokit.fully_shard), or shard the optimizer with zerokit.ZeRO1/ZeRO2")
+
+
+# The optimizers that say themselves who holds what. singledispatch picks an optimizer's nearest
+# class in its MRO: ZeRO1/ZeRO2 (a torch optimizer per bucket) before the ZeRO1Adam/ZeRO2Adam they
+# derive from, and ZeRO2Adam/ZeRO3Adam through ZeRO1Adam, the lessons' Adam saved as lesson 07 saves it.
+for _cls, _job in ((ZeRO1, ZeROJob), (ZeRO2, ZeROJob), (ZeRO1Muon, MuonJob),
+                   (DistributedAdam, AdamJob), (ZeRO1Adam, AdamJob)):
+    _job_by_optimizer.register(_cls, lambda opt, model, job=_job: job(model, opt))

@@ -22,15 +22,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ..ddp import DistributedAdam
 from ..flat import FlatBucket
-from ..zero1 import StateShard, ZeRO1Adam
-from ..zero2 import ZeRO2Adam
-from ..zero3 import ShardedParameters
+from ..stages import stage_of
+from ..zero1 import StateShard
 from .files import REPLICATED
 from .rows import is_dtensor, local, local_rows
 
-__all__ = ["TENSORS", "HYPER", "ADAMW", "stage_of", "parameter_names", "saved_shards", "Target", "targets",
+__all__ = ["TENSORS", "HYPER", "ADAMW", "parameter_names", "saved_shards", "Target", "targets",
            "set_steps", "finish_load", "trained_shapes", "check_same_model", "load_replicated", "describe",
            "apply_description", "group_hyperparameters", "aliases", "replicated", "AdamJob", "saved_class",
            "saved_kinds", "saved_state_keys", "saved_numbers", "check_optimizer_class", "loss_scaler",
@@ -42,15 +40,6 @@ HYPER = ("lr", "betas", "eps", "weight_decay")
 # (lesson 01), so their checkpoints and torch.optim.AdamW's hold the same state.
 ADAMW = "torch.optim.AdamW"
 ADAM_STATE_KEYS = ("exp_avg", "exp_avg_sq", "step")
-
-
-def stage_of(opt):
-    """"ddp", "zero1", "zero2" or "zero3"; a TypeError for any other optimizer."""
-    for cls, stage in ((ShardedParameters, "zero3"), (ZeRO2Adam, "zero2"), (ZeRO1Adam, "zero1"),
-                       (DistributedAdam, "ddp")):
-        if isinstance(opt, cls):
-            return stage
-    raise TypeError(f"zerokit.checkpoint saves zerokit's DistributedAdam and ZeRO1/2/3Adam, not {type(opt).__name__}")
 
 
 def parameter_names(model):
@@ -103,7 +92,7 @@ class _ReplicaShard:
 
 def saved_shards(opt, world_size, rank):
     """What this rank writes: opt.state_shards() (ZeRO), or its 1/N of DistributedAdam's state."""
-    if stage_of(opt) != "ddp":
+    if stage_of(opt).shards_optimizer_state:
         return opt.state_shards()
     return [_ReplicaShard(opt, g, ps, world_size, rank) for g, ps in enumerate(_trainable(opt)) if ps]
 
@@ -130,7 +119,7 @@ def targets(model, opt):
     where it has none yet (call it only once nothing can fail any more)."""
     names = parameter_names(model)
     out = []
-    if stage_of(opt) != "ddp":
+    if stage_of(opt).shards_optimizer_state:
         for sh in opt.state_shards():
             for s in sh.bucket.segments:
                 views = {k: getattr(sh, k)[s.shard_lo:s.shard_hi] for k in TENSORS}
@@ -155,7 +144,7 @@ def targets(model, opt):
 def set_steps(model, opt, steps):
     """Adam's step count of every parameter, from {name: step}."""
     names = parameter_names(model)
-    if stage_of(opt) != "ddp":
+    if stage_of(opt).shards_optimizer_state:
         for sh in opt.state_shards():
             sh.steps[:] = [steps[names[p]] for p in sh.bucket.params]
         return
@@ -170,7 +159,7 @@ def set_steps(model, opt, steps):
 @torch.no_grad()
 def finish_load(opt):
     """Make the model every rank computes with the loaded one (a collective for ZeRO)."""
-    if stage_of(opt) != "ddp":
+    if stage_of(opt).shards_optimizer_state:
         for sh in opt.state_shards():
             for p in sh.bucket.params:
                 p.__dict__.pop("zerokit_placeholder", None)  # a placeholder (checkpoint.stream) has its values now
@@ -211,7 +200,7 @@ def describe(model, opt):
     groups = [{**{k: g[k] for k in HYPER}, "params": [names[p] for p in g["params"] if p.requires_grad]}
               for g in opt.param_groups]
     return {
-        "stage": stage_of(opt),
+        "stage": stage_of(opt).name,
         "optimizer": type(opt).__name__,
         "param_groups": [{**g, "betas": list(g["betas"])} for g in groups],
         "param_dtype": str(precision.param_dtype).removeprefix("torch.") if precision.param_dtype else None,
@@ -266,7 +255,7 @@ def apply_description(meta, model, opt):
 def trained_shapes(model, opt):
     """{name: shape} of what opt trains (ZeRO-3's parameters are empty at rest: their buckets know)."""
     names = parameter_names(model)
-    if stage_of(opt) == "ddp":
+    if not stage_of(opt).shards_optimizer_state:
         return {names[p]: p.shape for g in opt.param_groups for p in g["params"] if p.requires_grad}
     return {names[p]: shape for sh in opt.state_shards() for p, shape in zip(sh.bucket.params, sh.bucket.shapes)}
 
@@ -351,12 +340,13 @@ class AdamJob:
     optimizer_class = ADAMW
 
     def __init__(self, model, opt):
-        self.stage = stage_of(opt)  # a clear TypeError for an optimizer this cannot save
+        self.record = stage_of(opt)  # a clear TypeError for an optimizer this cannot save
+        self.stage = self.record.name
         self.model, self.opt = model, opt
 
     def state_shards(self):
         """The whole-shard view that lesson 07's resharding map reads into (none for DistributedAdam)."""
-        return [] if self.stage == "ddp" else self.opt.state_shards()
+        return self.opt.state_shards() if self.record.shards_optimizer_state else []
 
     def gather(self, what):
         return None  # nothing to gather: every rank knows the step count of every parameter of its buckets

@@ -85,7 +85,7 @@ from .data import checksum, corpus, global_batch, texts
 from .device import Placement, placement
 from .job import evaluate, init_under_torchrun, main, train
 from .options import DATA_KEYS, HALF, PRESETS, STAGES, THEORY_STAGE, parse_args
-from .peers import build_peer, holdings
+from .peers import holdings
 from .show import PROMPT, generate, label, load_run, model_state_bytes, plot_losses, readable, report_memory, \
     show_sample
 from .speed import flops_per_token, peak_tflops
@@ -94,7 +94,7 @@ from .step import (LossScaling, autocast_for, clip_, gradient_sync, loss_scaling
 
 __all__ = [
     "DATA_KEYS", "HALF", "KILL_ENV", "PRESETS", "PROMPT", "STAGES", "THEORY_STAGE", "LossScaling", "Optimizers",
-    "Placement", "autocast_for", "build", "build_muon", "build_peer", "checkpoints", "checksum", "clip_", "corpus",
+    "Placement", "autocast_for", "build", "build_muon", "checkpoints", "checksum", "clip_", "corpus",
     "evaluate", "flops_per_token", "generate", "global_batch", "gpt", "gradient_sync", "holdings",
     "init_under_torchrun", "kill_point", "label", "last_checkpoint", "load_run", "loss_scaling", "main",
     "model_state_bytes", "parse_args", "parts", "peak_tflops", "placement", "plot_losses", "readable",

@@ -30,6 +30,7 @@ def build(args, world_size, device=None):
     """(model, optimizer, parameter count) of --stage and --impl on `device` (default: the CPU);
     every rank starts from the same weights."""
     import zerokit
+    from zerokit.stages import lessons_optimizer, torch_peer, wrapper
 
     device = torch.device(device or "cpu")
     model = gpt(args, device)
@@ -48,28 +49,15 @@ def build(args, world_size, device=None):
             raise ValueError(f"--offload cpu keeps AdamW's state in pinned host memory, away from the GPU; this "
                              f"job's parameters are on {device}: use --offload disk, or a GPU")
         precision = zerokit.MixedPrecision(half, reduce_dtype=torch.float32) if half else None
-        if args.stage == 3:
-            return model, zerokit.ZeRO3Adam(model, units=list(model.blocks), precision=precision,
-                                            offload=args.offload, **hyper), n
-        cls = zerokit.ZeRO1Adam if args.stage == 1 else zerokit.ZeRO2Adam
-        return model, cls(model.parameters(), precision=precision, offload=args.offload, **hyper), n
+        return model, lessons_optimizer(args.stage, model, units=list(model.blocks), precision=precision,
+                                        offload=args.offload, **hyper), n
     if args.impl == "torch":
-        from .peers import build_peer
-
-        return (*build_peer(args.stage, model, bf16=bf16, device=device,
+        return (*torch_peer(args.stage, model, bf16=bf16, device=device,
                             reshard_after_forward=args.reshard_after_forward, **hyper), n)
-    if args.stage == 0:
-        model = zerokit.DataParallel(model)
-        return model, torch.optim.AdamW(model.parameters(), **hyper), n
-    if args.stage in (1, 2):
-        # fp16: MixedPrecision scales the loss itself (lesson 06's dynamic scaler, its verdict all-reduced)
-        precision = zerokit.MixedPrecision(half, reduce_dtype=torch.float32) if half else None
-        cls = zerokit.ZeRO1 if args.stage == 1 else zerokit.ZeRO2
-        return model, cls(model.parameters(), torch.optim.AdamW, precision=precision, **hyper), n
-    blocks = list(model.blocks)
-    model = zerokit.FullyShard(model, units=blocks, compute_dtype=half,
-                               reshard_after_forward=args.reshard_after_forward)
-    return model, torch.optim.AdamW(model.parameters(), **hyper), n
+    # fp16 at stages 1 and 2: MixedPrecision scales the loss itself (lesson 06's dynamic scaler, its verdict
+    # all-reduced); the blocks are FullyShard's units at stage 3
+    return (*wrapper(args.stage, model, half=half, units=list(model.blocks),
+                     reshard_after_forward=args.reshard_after_forward, **hyper), n)
 
 
 def compile_blocks(model, backend="inductor"):
@@ -120,11 +108,12 @@ def build_muon(args, model, hyper):
     """(model, Optimizers) for --optimizer muon. Muon's learning rate is matched to AdamW's update
     size (adjust_lr_fn="match_rms_adamw", Moonlight's rule), so one --lr serves both."""
     import zerokit
+    from zerokit.stages import get_stage
 
     matrices = [p for p in model.blocks.parameters() if p.dim() == 2]
     rest = [p for p in model.parameters() if not any(p is m for m in matrices)]
     muon = dict(hyper, adjust_lr_fn="match_rms_adamw")
-    if args.stage == 0:
+    if not get_stage(args.stage).shards_optimizer_state:  # stage 0: torch's Muon on every rank
         model = zerokit.DataParallel(model)
         return model, Optimizers(muon=torch.optim.Muon(matrices, **muon), adamw=torch.optim.AdamW(rest, **hyper))
     return model, Optimizers(muon=zerokit.ZeRO1Muon(matrices, **muon),

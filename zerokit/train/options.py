@@ -5,8 +5,10 @@ from pathlib import Path
 
 import torch
 
-STAGES = (0, 1, 2, 3)
-THEORY_STAGE = ("ddp", "zero1", "zero2", "zero3")  # zerokit.memory.theory_bytes's names for 0-3
+from zerokit.stages import STAGE_NAMES, STAGES as STAGE_RECORDS, get_stage
+
+STAGES = tuple(s.number for s in STAGE_RECORDS)
+THEORY_STAGE = STAGE_NAMES  # zerokit.memory.theory_bytes's names for 0-3
 # what a data position means: a checkpoint saved with other values of these would resume other samples
 DATA_KEYS = ("batch", "seq_len", "seed", "data_mb")
 HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -147,21 +149,22 @@ def _refuse_combinations(p, args):
                 "does not save: leave out --checkpoint-every and --resume")
     if args.precision == "fp16" and args.impl == "torch":
         p.error("--precision fp16 needs a loss scaler, which the PyTorch peers here do not bring: use bf16")
-    if args.offload and (args.stage == 0 or args.impl == "torch" or args.optimizer == "muon"):
+    stage = get_stage(args.stage)
+    if args.offload and (not stage.shards_optimizer_state or args.impl == "torch" or args.optimizer == "muon"):
         p.error("--offload streams a ZeRO stage's own AdamW state (lesson 08): --stage 1, 2 or 3, with AdamW, "
                 "not --impl torch")
     if args.optimizer == "muon":
         # Muon orthogonalises each matrix's whole update: ZeRO-2 cuts gradients into flat shards, stage 3
         # into rows (FullyShard's DTensors), so a rank never holds a whole matrix's gradient to give it (lesson 09)
-        if args.stage not in (0, 1) or args.impl == "torch":
+        if stage.shards_gradients or args.impl == "torch":
             p.error("--optimizer muon runs at --stage 0 (DataParallel + torch.optim.Muon) or 1 (zerokit.ZeRO1Muon): "
                     "Muon needs each matrix's whole gradient, which ZeRO-2's flat shards and stage 3's row shards "
                     "cut (lesson 09)")
-        if args.stage == 1 and (args.clip is not None or args.precision != "fp32"):
+        if stage.shards_optimizer_state and (args.clip is not None or args.precision != "fp32"):
             p.error("--optimizer muon at --stage 1 takes neither --clip (ZeRO1Muon reduces the gradients inside "
                     "step(): there is no mean gradient before it to clip) nor a 16-bit --precision (its matrices stay "
                     "fp32): use --stage 0")
-    if args.reshard_after_forward is not None and (args.stage != 3 or args.offload):
+    if args.reshard_after_forward is not None and (not stage.shards_parameters or args.offload):
         p.error("--reshard-after-forward is a control of stage 3's FullyShard (and of FSDP2 under --impl torch): "
                 "give --stage 3, without --offload (the lessons' ZeRO3Adam reshards after every forward)")
     if args.resume and args.overwrite:

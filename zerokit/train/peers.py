@@ -1,4 +1,5 @@
-"""The stages' PyTorch peers (--impl torch), and what any system holds, by category.
+"""The stages' PyTorch peers (--impl torch, built by zerokit.stages.torch_peer), and what any system
+holds, by category.
 
 | stage | zerokit (python -m zerokit.train)         | PyTorch peer (--impl torch) |
 |-------|-------------------------------------------|-----------------------------|
@@ -20,57 +21,7 @@ script's memory table and the bench's per-step accounting both count with it.
 import torch
 from torch.distributed.tensor import DTensor
 
-STAGE_PEERS = {
-    0: "DDP + AdamW",
-    1: "DDP + ZeroRedundancyOptimizer",
-    2: "fully_shard, no reshard",
-    3: "fully_shard",
-}
-DDP_OPTIONS = {"gradient_as_bucket_view": True}
-ZERO_REDUNDANCY_OPTIONS = {"parameters_as_bucket_view": True}
 MODEL_STATE = ("parameters", "gradients", "optimizer_states")
-
-
-def build_peer(stage, model, *, bf16=False, device=None, reshard_after_forward=None, **hyper):
-    """(model, optimizer): PyTorch's own implementation of `stage` on `model` (already on `device`),
-    with torch.optim.AdamW(**hyper).
-
-    bf16: autocast for the DDP-based peers (their weights stay fp32; the caller enters
-    torch.autocast), FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) for the
-    others, as zerokit.train does for its own stages. reshard_after_forward: stage 3's blocks' setting
-    (None: FSDP2's default), as --reshard-after-forward gives it to FullyShard."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    device = torch.device(device or "cpu")
-    if stage in (0, 1):
-        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, **DDP_OPTIONS)
-        if stage == 0:
-            return model, torch.optim.AdamW(model.parameters(), **hyper)
-        return model, ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW,
-                                              **ZERO_REDUNDANCY_OPTIONS, **hyper)
-    if stage in (2, 3):
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
-            else MixedPrecisionPolicy()
-        # the job's device, named: fully_shard's default mesh takes the machine's accelerator, which is
-        # the wrong one for a job kept on the CPU where there is a GPU (--device cpu)
-        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-        # stage 2: nothing resharded after forward (one all-gather per step, as ZeRO-2's all-gather
-        # of the updated weights); stage 3: FSDP2's default, the blocks reshard after forward and
-        # are gathered again for backward, the root stays gathered
-        reshard = False if stage == 2 else None
-        blocks = reshard if reshard_after_forward is None else reshard_after_forward
-        for block in model.blocks:  # FullyShard's units: one per block, the root keeps the rest
-            fully_shard(block, mesh=mesh, reshard_after_forward=blocks, mp_policy=policy)
-        # the root: FSDP2 keeps it gathered by default (None), as FullyShard's root unit; an explicit
-        # setting is the root's too, as FullyShard's reshard_after_forward covers every unit
-        root = reshard if reshard_after_forward is None else reshard_after_forward
-        fully_shard(model, mesh=mesh, reshard_after_forward=root, mp_policy=policy)
-        return model, torch.optim.AdamW(model.parameters(), **hyper)
-    raise ValueError(f"stage must be 0, 1, 2 or 3, not {stage!r}")
 
 
 def _local(t):

@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from zerokit.stages import get_stage
+
 from .data import global_batch
 from .options import HALF
 
@@ -55,7 +57,9 @@ def _local(t):
 
 def loss_scaling(args):
     """A LossScaling where this job needs one of its own (fp16, stage 0 or 3), else None."""
-    own = args.stage in (0, 3) and not args.offload  # the lessons' ZeRO3Adam scales its loss itself
+    # a plain torch optimizer beside the model's wrapper (DataParallel, FullyShard); ZeRO1/ZeRO2 and the
+    # lessons' classes (--offload) scale their loss themselves
+    own = not get_stage(args.stage).optimizer_inside and not args.offload
     return LossScaling() if args.precision == "fp16" and own else None
 
 
@@ -137,7 +141,8 @@ def uses_autocast(args):
     """16 bits by torch.autocast: zerokit's stage 0 and the DDP-based peers (stages 0 and 1), whose
     weights stay fp32; the other stages hold 16-bit weights themselves (MixedPrecision, compute_dtype,
     FSDP2's MixedPrecisionPolicy)."""
-    return args.precision != "fp32" and (args.stage == 0 or (args.impl == "torch" and args.stage == 1))
+    s = get_stage(args.stage)
+    return args.precision != "fp32" and (s.peer_autocast if args.impl == "torch" else s.autocast)
 
 
 def clip_(args, model, opt):
@@ -145,15 +150,14 @@ def clip_(args, model, opt):
     replicated and averaged (0), flat shards whose squares add up over the ranks (1, 2: the
     optimizers' own clip_grad_norm_), or DTensor shards (3: FullyShard's parameters, as FSDP2's),
     whose norm torch's clip_grad_norm_ takes over every rank's rows itself."""
-    if args.offload:  # the lessons' ZeRO1/2/3Adam clip their own reduced flat shards
+    how = "torch" if args.impl == "torch" else get_stage(args.stage).clip
+    if args.offload or how == "optimizer":  # the lessons' ZeRO1/2/3Adam, ZeRO1/ZeRO2: their reduced flat shards
         return float(opt.clip_grad_norm_(args.clip))
-    if args.impl == "torch" or args.stage == 3:
+    if how == "torch":
         # DDP's gradients are the replicated mean, FSDP2's and FullyShard's DTensor shards: torch's clip knows
         # both (a DTensor's norm is a collective over the ranks' rows)
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    if args.stage in (1, 2):  # zerokit's ZeRO optimizers clip their own reduced flat shards
-        return float(opt.clip_grad_norm_(args.clip))
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     if not grads:
         sq = torch.zeros((), device=next(model.parameters()).device)

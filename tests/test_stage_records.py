@@ -1,0 +1,132 @@
+"""zerokit.stages: the four stages as records, and the wings that ask them.
+
+- each record's sharding flags against the ZeRO paper's table, as zerokit.memory.theory_bytes
+  computes it (full Ψ or Ψ/N per category);
+- a record by number and by name is the same; an unknown stage is refused naming the choices;
+- stage_of finds the lessons' classes and anything built on them (by the MRO), and refuses a
+  torch optimizer;
+- checkpoint's job_of goes by the optimizer's nearest registered class;
+- train/ and bench/ test no stage against a number or a name: they ask the record (a new stage
+  is one record, not six files).
+"""
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import run_ranks
+
+import zerokit
+from zerokit.memory import theory_bytes
+from zerokit.models import OddMLP
+from zerokit.stages import STAGE_NAMES, STAGES, get_stage, stage_of
+
+ROOT = Path(__file__).resolve().parent.parent
+LITERALS = {0, 1, 2, 3, *STAGE_NAMES}
+
+
+@pytest.mark.parametrize("record", STAGES, ids=lambda s: s.name)
+def test_each_record_shards_what_the_papers_table_shards(record):
+    psi, n = 1_000_000, 4
+    whole, cut = theory_bytes(psi, record.name, 1), theory_bytes(psi, record.name, n)
+    flags = {"optimizer_states": record.shards_optimizer_state, "gradients": record.shards_gradients,
+             "parameters": record.shards_parameters}
+    for category, sharded in flags.items():
+        assert cut[category] == (whole[category] / n if sharded else whole[category]), (category, cut, whole)
+    assert record.number == STAGE_NAMES.index(record.name)
+
+
+def test_a_record_by_number_and_by_name_is_one_and_an_unknown_stage_names_the_choices():
+    for record in STAGES:
+        assert get_stage(record.number) is get_stage(record.name) is get_stage(record) is record
+    with pytest.raises(ValueError, match=r"unknown stage 'zero4'.*'ddp', 'zero1', 'zero2', 'zero3'"):
+        get_stage("zero4")
+
+
+def _stages_and_jobs(rank, world_size):
+    """On one gloo rank (the lessons' classes need a process group): stage_of and job_of of each optimizer."""
+    from zerokit.checkpoint.optimizers import job_of
+
+    model = OddMLP()
+    params = list(model.parameters())
+    matrices = [p for p in params if p.dim() == 2]
+    opts = {"DistributedAdam": zerokit.DistributedAdam(params), "ZeRO1Adam": zerokit.ZeRO1Adam(params),
+            "ZeRO2Adam": zerokit.ZeRO2Adam(params), "ZeRO1(SGD)": zerokit.ZeRO1(params, torch.optim.SGD, lr=0.1),
+            "ZeRO2(SGD)": zerokit.ZeRO2(params, torch.optim.SGD, lr=0.1), "ZeRO3Adam": zerokit.ZeRO3Adam(OddMLP()),
+            "ZeRO1Muon": zerokit.ZeRO1Muon(matrices), "SGD": torch.optim.SGD(params, lr=0.1)}
+    stages, jobs = {}, {}
+    for name, opt in opts.items():
+        try:
+            stages[name] = stage_of(opt).name
+        except TypeError as e:
+            stages[name] = f"TypeError: {e}"
+        jobs[name] = type(job_of(model, opt)).__name__
+    try:
+        job_of(model, [])
+    except TypeError as e:
+        jobs["list"] = f"TypeError: {e}"
+    return stages, jobs
+
+
+def test_stage_of_and_the_checkpoint_job_go_by_the_optimizers_nearest_class():
+    stages, jobs = run_ranks(_stages_and_jobs, 1)[0]
+    assert stages == {"DistributedAdam": "ddp", "ZeRO1Adam": "zero1", "ZeRO2Adam": "zero2",
+                      "ZeRO1(SGD)": "zero1", "ZeRO2(SGD)": "zero2",  # built on ZeRO1Adam, ZeRO2Adam
+                      "ZeRO3Adam": "zero3",
+                      "ZeRO1Muon": "TypeError: zerokit.checkpoint saves zerokit's DistributedAdam and ZeRO1/2/3Adam, "
+                                   "not ZeRO1Muon",
+                      "SGD": "TypeError: zerokit.checkpoint saves zerokit's DistributedAdam and ZeRO1/2/3Adam, not SGD"}
+    # ZeRO1/ZeRO2 hold a torch optimizer per bucket (ZeROJob), not their ZeRO1Adam/ZeRO2Adam's Adam (AdamJob)
+    assert jobs == {"DistributedAdam": "AdamJob", "ZeRO1Adam": "AdamJob", "ZeRO2Adam": "AdamJob",
+                    "ZeRO1(SGD)": "ZeROJob", "ZeRO2(SGD)": "ZeROJob", "ZeRO3Adam": "AdamJob", "ZeRO1Muon": "MuonJob",
+                    "SGD": "ReplicatedJob",  # one rank holds all of a plain model's state
+                    "list": "TypeError: zerokit.checkpoint saves a model with a torch optimizer (zerokit's included), "
+                            "not with list"}
+
+
+def _mentions_stage(node):
+    """`stage`, `args.stage`, `c.stage`, `r["stage"]`: an expression that names a stage."""
+    if isinstance(node, ast.Name):
+        return "stage" in node.id
+    if isinstance(node, ast.Attribute):
+        return "stage" in node.attr
+    if isinstance(node, ast.Subscript):
+        return isinstance(node.slice, ast.Constant) and node.slice.value == "stage"
+    return False
+
+
+def _is_stage_literal(node):
+    if isinstance(node, ast.Constant):
+        return node.value in LITERALS and not isinstance(node.value, bool)
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return bool(node.elts) and all(_is_stage_literal(e) for e in node.elts)
+    return False
+
+
+def stage_literal_tests(folders):
+    """file:line of every comparison of a stage with a stage's number or name in `folders`."""
+    found = []
+    for folder in folders:
+        for path in sorted((ROOT / "zerokit" / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.Compare):
+                    sides = [node.left, *node.comparators]
+                    if any(_mentions_stage(a) for a in sides) and any(_is_stage_literal(b) for b in sides):
+                        found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    return found
+
+
+def test_train_and_bench_ask_the_record_not_the_stages_number():
+    assert stage_literal_tests(["train", "bench"]) == []
+
+
+def test_the_scan_finds_a_stage_test_where_there_is_one(tmp_path, monkeypatch):
+    # the scan itself, on code that tests a stage the old way (which it must see)
+    (tmp_path / "zerokit" / "wing").mkdir(parents=True)
+    (tmp_path / "zerokit" / "wing" / "m.py").write_text(
+        'def f(args, c, r):\n    if args.stage == 3:\n        pass\n    x = c.stage in ("zero1", "ddp")\n'
+        '    y = r["stage"] != "zero3"\n    z = args.stage in (0, 1)\n    ok = args.stage == other\n')
+    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
+    assert stage_literal_tests(["wing"]) == [f"zerokit/wing/m.py:{n}" for n in (2, 4, 5, 6)]
