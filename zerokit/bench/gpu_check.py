@@ -124,8 +124,7 @@ def _train(rank, world_size, stage, precision, device, offload=None, model=None)
     """A zerokit stage on this rank's slice of the batch: mean loss per step, final weights, the optimizer
     and the model."""
     model = model or build_model(KIND).to(device)
-    where = {} if offload is None else {"offload": offload}  # DistributedAdam has no offload=
-    opt = lessons_optimizer(stage, model, lr=LR, weight_decay=WD, precision=precision, **where)
+    opt = lessons_optimizer(stage, model, lr=LR, weight_decay=WD, precision=precision, offload=offload)
     x, y = _batch(rank, world_size, device)
     losses = []
     for _ in range(STEPS):
