@@ -72,7 +72,8 @@ COURSE_MODULES = {"adam", "ddp", "flat", "zero1", "zero2", "zero3", "mixed_preci
                   "muon",  # lesson 09's reference
                   "zeropp",  # lesson 11's reference: hpZ (fully_shard.reshard's machinery), qwZ, hybrid sharding
                   "alphabeta",  # lesson 11's time model: collectives on NVLink and NICs, the schemes in seconds
-                  "multi_tensor"}  # Adam on many tensors at once, what DistributedAdam and ZeRO run on a GPU
+                  "multi_tensor",  # Adam on many tensors at once, what DistributedAdam and ZeRO run on a GPU
+                  "hooks"}  # weak_hook and in_backward, what the stages that hook autograd share
 # a lesson whose reference needs more than one file gets a package of its own (its __init__
 # is the reference, the rest are its parts)
 COURSE_PACKAGES = {"checkpoint",

@@ -39,7 +39,7 @@ from torch import nn
 
 from .ddp import broadcast_parameters, device_flags
 from .flat import make_buckets
-from .zero1 import weak_hook
+from .hooks import weak_hook
 
 __all__ = ["DataParallel", "plan_buckets"]
 

@@ -21,7 +21,6 @@ and each rank keeps the fp32 master of its own shard beside m and v: the master 
 sharded with the optimizer state.
 """
 
-import weakref
 from dataclasses import dataclass
 from functools import partial
 
@@ -32,27 +31,12 @@ from .adam import adamw_update_, check_hyperparameters
 from .collectives import all_gather, reduce_scatter  # torch's, but direct on gloo (the ring's bytes)
 from .ddp import broadcast_parameters, device_flags
 from .flat import FlatBucket, make_buckets
+from .hooks import weak_hook
 from .mixed_precision import precision_state
 from .multi_tensor import adamw_multi_tensor_, default_foreach
 from .offload import offload_place
 
-__all__ = ["ZeRO1Adam", "ShardedAdamState", "StateShard", "weak_hook"]
-
-
-def weak_hook(method):
-    """A hook that calls `method` without keeping its object alive.
-
-    Hooks on parameters are held by C++, where Python's garbage collector cannot see the
-    cycle parameter -> hook -> optimizer -> parameter; a bound method there would keep
-    every optimizer ever built (and its shards) alive for as long as the model lives.
-    """
-    ref = weakref.WeakMethod(method)
-
-    def hook(*args):
-        target = ref()
-        return None if target is None else target(*args)
-
-    return hook
+__all__ = ["ZeRO1Adam", "ShardedAdamState", "StateShard"]
 
 
 class ShardedAdamState:

@@ -38,9 +38,10 @@ import torch
 import torch.distributed as dist
 
 from .collectives import reduce_scatter  # torch's, but direct on gloo (the ring's bytes)
-from .zero1 import ZeRO1Adam, weak_hook
+from .hooks import weak_hook
+from .zero1 import ZeRO1Adam
 
-__all__ = ["ZeRO2Adam", "weak_hook"]
+__all__ = ["ZeRO2Adam"]
 
 
 def _refuse_nested_backward():

@@ -53,10 +53,10 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 
-from .activations import in_backward
 from .collectives import all_gather  # torch's, but direct on gloo
 from .flat import FlatBucket
-from .zero2 import ZeRO2Adam, weak_hook
+from .hooks import in_backward, weak_hook
+from .zero2 import ZeRO2Adam
 
 __all__ = ["ZeRO3Adam", "ShardedParameters", "UnitState", "default_units", "unit_list", "assign_units",
            "bucket_plan", "install_unit_hooks", "members"]

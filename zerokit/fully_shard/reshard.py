@@ -40,10 +40,9 @@ import torch.distributed as dist
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 
-from ..activations import in_backward
 from ..collectives import all_gather  # torch's, but direct on gloo
 from ..comm import group_ranks
-from ..zero2 import weak_hook
+from ..hooks import in_backward, weak_hook
 from ..zero3 import ZeRO3Adam, members
 
 __all__ = ["ReshardZeRO3Adam", "node_group", "unit_policies"]
