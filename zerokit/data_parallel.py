@@ -37,7 +37,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .ddp import broadcast_parameters, device_flags
+from .collectives import device_flags
+from .ddp import broadcast_parameters
 from .flat import make_buckets
 from .hooks import weak_hook
 

@@ -26,10 +26,11 @@ import torch
 import torch.distributed as dist
 
 from .adam import Adam
+from .collectives import device_flags
 from .mixed_precision import precision_state
 from .multi_tensor import adamw_multi_tensor_, default_foreach
 
-__all__ = ["DistributedAdam", "broadcast_parameters", "average_gradients", "device_flags"]
+__all__ = ["DistributedAdam", "broadcast_parameters", "average_gradients"]
 
 
 @torch.no_grad()
@@ -40,21 +41,6 @@ def broadcast_parameters(params, group=None):
         if getattr(p, "zerokit_placeholder", False):  # lesson 07: no values yet (zerokit.checkpoint.placeholders)
             continue
         dist.broadcast(p.data, src=src, group=group)
-
-
-def device_flags(flags, dtype, device):
-    """A list of bools as a tensor on `device`, 1 for True, made without copying from the host.
-
-    torch.tensor(flags, device=...) would copy from ordinary (pageable) host memory, which CUDA does
-    synchronously: the host waits for the GPU to finish what is queued. A fill per run of equal
-    flags (usually one or two) queues like any other operation."""
-    out = torch.empty(len(flags), dtype=dtype, device=device)
-    start = 0
-    for i in range(1, len(flags) + 1):
-        if i == len(flags) or flags[i] != flags[start]:
-            out[start:i].fill_(1 if flags[start] else 0)
-            start = i
-    return out
 
 
 @torch.no_grad()

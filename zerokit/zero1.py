@@ -29,7 +29,8 @@ import torch.distributed as dist
 
 from .adam import adamw_update_, check_hyperparameters
 from .collectives import all_gather, reduce_scatter  # torch's, but direct on gloo (the ring's bytes)
-from .ddp import broadcast_parameters, device_flags
+from .collectives import device_flags
+from .ddp import broadcast_parameters
 from .flat import FlatBucket, make_buckets
 from .hooks import weak_hook
 from .mixed_precision import precision_state
