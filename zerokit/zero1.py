@@ -30,10 +30,9 @@ import torch.distributed as dist
 from .adam import adamw_update_, check_hyperparameters
 from .collectives import all_gather, reduce_scatter  # torch's, but direct on gloo (the ring's bytes)
 from .collectives import device_flags
-from .ddp import broadcast_parameters
+from .ddp import broadcast_parameters, precision_state
 from .flat import FlatBucket, make_buckets
 from .hooks import weak_hook
-from .mixed_precision import precision_state
 from .multi_tensor import adamw_multi_tensor_, default_foreach
 from .offload import offload_place
 
