@@ -98,9 +98,9 @@ class ReshardZeRO3Adam(ZeRO3Adam):
     """
 
     def __init__(self, module, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, units=None,
-                 prefetch=True, group=None, precision=None, offload=None, reshard_after_forward=None):
+                 prefetch=True, group=None, precision=None, offload=None, reshard_after_forward=None, foreach=None):
         super().__init__(module, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, units=units,
-                         prefetch=prefetch, group=group, precision=precision, offload=offload)
+                         prefetch=prefetch, group=group, precision=precision, offload=offload, foreach=foreach)
         self.set_reshard_after_forward(reshard_after_forward)
         self._secondary = [None] * len(self.buckets)  # bucket -> (its secondary shard, node group), while held
         self._ran = [set() for _ in self.units]  # a group's modules whose forward ran in this forward
