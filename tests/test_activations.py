@@ -21,8 +21,9 @@ from torch.utils.checkpoint import checkpoint
 
 import zerokit
 from conftest import run_ranks
-from zerokit.activations import (SavedActivations, checkpoint_modules, in_backward, korthikanti_layer_bytes,
-                                 layer_activation_bytes, transformer_activation_bytes)
+from zerokit.activations import (SavedActivations, checkpoint_modules, korthikanti_layer_bytes, layer_activation_bytes,
+                                 transformer_activation_bytes)
+from zerokit.hooks import in_backward
 from zerokit.models import Block, TinyTransformer, build_model, make_batch, model_batch, model_loss
 from zerokit.reference import rank_slice, reference_trajectory
 

@@ -60,9 +60,8 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 
 import zerokit
-from zerokit.activations import in_backward
 from zerokit.comm import all_gather
-from zerokit.zero2 import weak_hook
+from zerokit.hooks import in_backward, weak_hook
 from zerokit.zeropp import node_group
 """
 CELLS = ["hpz_class", "quantize", "qwz_gather"]

@@ -73,6 +73,7 @@ COURSE_MODULES = {"adam", "ddp", "flat", "zero1", "zero2", "zero3", "mixed_preci
                   "zeropp",  # lesson 11's reference: hpZ (fully_shard.reshard's machinery), qwZ, hybrid sharding
                   "alphabeta",  # lesson 11's time model: collectives on NVLink and NICs, the schemes in seconds
                   "multi_tensor",  # Adam on many tensors at once, what DistributedAdam and ZeRO run on a GPU
+                  "hooks",  # weak_hook and in_backward, what the stages that hook autograd share
                   "stages"}  # the four stages as records, which the capstone, checkpoints and the bench ask
 # a lesson whose reference needs more than one file gets a package of its own (its __init__
 # is the reference, the rest are its parts)
@@ -139,6 +140,79 @@ def test_no_import_circle_and_the_course_never_imports_the_machinery():
     for module in graph:
         if module not in state:
             visit(module, [module])
+
+
+# ---- lesson order: a student reading lesson k's module never meets a later lesson's
+
+# the lesson of each course module (a package's submodule by its dotted name: the longest prefix
+# decides); None: a foundational module, no lesson's, which any module may import and which
+# imports only foundational ones; DISPLAYS draw every lesson's figures (notebooks call them, no
+# course module does) and may import any lesson's module
+LESSON = {"adam": 1, "ddp": 2, "data_parallel": 2, "zero1": 3, "zero2": 4,
+          "elementwise": 4,  # ZeRO1 (lesson 03's stage) and ZeRO2 (lesson 04's): as late as its latest
+          "zero3": 5,
+          "mixed_precision": 6, "checkpoint": 7, "offload": 8, "activations": 8, "muon": 9, "train": 10,
+          "alphabeta": 11, "zeropp": 11,
+          "fully_shard.reshard": 11,  # lesson 11's hpZ (ZeRO3Adam's, its base), beside lesson 12's files
+          "fully_shard": 12,
+          "stages": 12,  # builds every stage, FullyShard (lesson 12's) included: as late as the last it builds
+          **dict.fromkeys(["flat", "collectives", "comm", "memory", "multi_tensor", "models", "reference",
+                           "hooks"])}
+DISPLAYS = {"figures", "widgets"}
+
+
+def _lesson_of(module):
+    """(the table's key for a zerokit module's dotted name below zerokit, its lesson)."""
+    parts = module.split(".")
+    for k in range(len(parts), 0, -1):
+        key = ".".join(parts[:k])
+        if key in LESSON or key in DISPLAYS:
+            return key, LESSON.get(key)
+    raise KeyError(module)
+
+
+def _top_level_imports(path):
+    """[(line, the zerokit module it imports, below zerokit)] for one zerokit/*.py file, imports inside
+    functions included; `from .fully_shard import param` names the submodule fully_shard.param."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name.partition(".")[2]) for a in node.names
+                      if a.name.startswith("zerokit.")]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level == 1:
+                base = node.module or ""
+            elif node.level == 0 and (node.module or "").startswith("zerokit."):
+                base = node.module.partition(".")[2]
+            else:
+                continue  # torch, the standard library; `zerokit` itself is the package's index
+            for a in node.names:
+                sub = f"{base}.{a.name}" if base else a.name
+                as_file = PACKAGE.joinpath(*sub.split("."))
+                if as_file.with_suffix(".py").exists() or (as_file / "__init__.py").exists():
+                    found.append((node.lineno, sub))
+                elif base:
+                    found.append((node.lineno, base))
+    return found
+
+
+def test_no_module_imports_a_later_lessons_module():
+    problems = []
+    for path in sorted(PACKAGE.glob("*.py")):
+        if path.stem == "__init__":
+            continue  # the package's index imports every lesson
+        assert path.stem in LESSON or path.stem in DISPLAYS, f"zerokit/{path.name}: give it a lesson in LESSON"
+        _, mine = _lesson_of(path.stem)
+        for line, module in _top_level_imports(path):
+            key, theirs = _lesson_of(module)
+            if key in DISPLAYS and path.stem not in DISPLAYS:
+                problems.append(f"zerokit/{path.name}:{line} imports zerokit.{module}, a display (figures, widgets)")
+            elif theirs is not None and path.stem not in DISPLAYS and (mine is None or theirs > mine):
+                where = "foundational" if mine is None else f"lesson {mine:02d}"
+                problems.append(f"zerokit/{path.name}:{line} ({where}) imports zerokit.{module} (lesson {theirs:02d})")
+    assert not problems, "a module imports a later lesson's module:\n" + "\n".join(problems)
 
 
 def test_every_cell_no_grade_reads_is_marked_as_a_measurement():

@@ -122,3 +122,29 @@ def test_a_node_size_that_does_not_divide_the_ranks_is_refused(four_ranks):
     assert len(said) == 4, said
     assert "must divide the 4 ranks" in said[0] and "must divide the 4 ranks" in said[1]
     assert "must be True, False, None or an int" in said[2] and "must be True, False, None or an int" in said[3]
+
+
+def _foreach_case(rank, world_size, steps=3):
+    out = {}
+    for foreach in (True, False):
+        model = uneven()
+        opt = ReshardZeRO3Adam(model, lr=1e-2, reshard_after_forward=False, foreach=foreach)
+        for step in range(steps):
+            loss_of(model, rank, step).backward()
+            opt.step()
+            opt.zero_grad()
+        with opt.gathered():
+            weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+        out[foreach] = {"told": [s.foreach for s in opt.shards], "weights": weights}
+    return out
+
+
+@pytest.mark.distributed
+def test_foreach_reaches_every_shard_and_true_and_false_train_bit_for_bit_alike():
+    """foreach= as ZeRO3Adam takes it: each shard updates with the multi-tensor Adam (True) or
+    lesson 01's loop (False), which on a CPU are the same arithmetic, bit for bit."""
+    for rank, got in enumerate(run_ranks(_foreach_case, 2)):
+        multi, loop = got[True], got[False]
+        assert multi["told"] and all(multi["told"]) and not any(loop["told"]), rank
+        for name, w in loop["weights"].items():
+            assert torch.equal(multi["weights"][name], w), (rank, name)

@@ -241,3 +241,39 @@ def test_node_and_replica_groups_of_a_2x2_layout():
     assert [g["node"] for g in got] == [[0, 1], [0, 1], [2, 3], [2, 3]]
     assert [g["replicas"] for g in got] == [[0, 2], [1, 3], [0, 2], [1, 3]]
     assert "divides the group's 4 ranks" in got[0][3] and "divides" in got[0][0]
+
+
+FOREACH_RUNS = {  # on 2 ranks: qwZ's gathers; hybrid sharding as 2 nodes of 1 rank (replicas all-reduced)
+    "qwz": (ZeROppAdam, {"quantize_block": BLOCK}),
+    "hsdp": (HybridShardAdam, {"node_size": 1}),
+}
+
+
+def _foreach_case(rank, world_size, steps=3):
+    out = {}
+    for label, (cls, kw) in FOREACH_RUNS.items():
+        for foreach in (True, False):
+            model = build_model("nested")
+            opt = cls(model, lr=LR, foreach=foreach, **kw)
+            for step in range(steps):
+                x, y = model_batch("nested", BATCH, step)
+                x, y = rank_slice(x, rank, world_size), rank_slice(y, rank, world_size)
+                model_loss("nested", model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+            with opt.gathered():
+                weights = {k: v.detach().clone() for k, v in model.named_parameters()}
+            out[label, foreach] = {"told": [s.foreach for s in opt.shards], "weights": weights}
+    return out
+
+
+@pytest.mark.distributed
+def test_foreach_reaches_every_shard_and_true_and_false_train_bit_for_bit_alike():
+    """foreach= as ZeRO3Adam takes it: each shard updates with the multi-tensor Adam (True) or
+    lesson 01's loop (False), which on a CPU are the same arithmetic, bit for bit."""
+    for rank, got in enumerate(run_ranks(_foreach_case, 2)):
+        for label in FOREACH_RUNS:
+            multi, loop = got[label, True], got[label, False]
+            assert multi["told"] and all(multi["told"]) and not any(loop["told"]), (rank, label)
+            for name, w in loop["weights"].items():
+                assert torch.equal(multi["weights"][name], w), (rank, label, name)

@@ -6,7 +6,7 @@ The course, one module per idea, in lesson order (each a small step from the las
     multi_tensor     01+ the same update on many tensors at once (torch's _foreach_ operations): a GPU's default
     ddp              02  DistributedAdam: all-reduce the mean gradient
     flat, zero1      03  flat padded buffers cut into N shards; ZeRO-1 shards Adam's state
-    elementwise      03  ZeRO1/ZeRO2 with any elementwise torch optimizer (why they shard for free)
+    elementwise      03+ ZeRO1/ZeRO2 (ZeRO2 on lesson 04's stage) with any elementwise torch optimizer
     zero2            04  ZeRO-2: gradients reduce-scattered in buckets during backward
     zero3            05  ZeRO-3: ShardedParameters (gather, free) under ZeRO3Adam (the hooks)
     fully_shard      12  FSDP2's design: fully_shard, FSDPModule (every control) and FullyShard (the calls
@@ -23,7 +23,8 @@ The course, one module per idea, in lesson order (each a small step from the las
 The instruments every lesson measures with: comm (collectives counted, theoretical
 volumes), memory (theory and census of model-state bytes), models (the model zoo),
 reference (one process running torch.optim.AdamW: the yardstick), figures; and
-collectives, the reduce-scatter and all-gather the stages call (direct on gloo).
+collectives, the reduce-scatter and all-gather the stages call (direct on gloo); hooks,
+the weak hook and in_backward the stages' autograd hooks share.
 
 The machinery, in wings the course modules never import: launcher/ (`zerokit.launch`:
 a callable on N ranks), grading/ (the checks the notebooks' test cells call, and the

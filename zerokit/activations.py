@@ -36,8 +36,8 @@ under `torch.utils.checkpoint` (non-reentrant): their forward keeps only its inp
 backward runs the forward again to rebuild the rest, one block at a time. Memory per
 block drops from $A_{\text{layer}}$ to its input ($4bsh$), for about one more forward of
 compute. Under ZeRO-3 the recomputed forward needs the block's parameters gathered again:
-see zerokit.zero3 ("recomputation"), which uses `in_backward()` to tell a recomputation
-from a forward.
+see zerokit.zero3 ("recomputation"), which uses `in_backward()` (zerokit.hooks) to tell a
+recomputation from a forward.
 """
 
 import functools
@@ -47,17 +47,8 @@ from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["SavedActivations", "in_backward", "layer_activation_bytes", "korthikanti_layer_bytes",
+__all__ = ["SavedActivations", "layer_activation_bytes", "korthikanti_layer_bytes",
            "transformer_activation_bytes", "checkpoint_modules"]
-
-
-def in_backward() -> bool:
-    """Whether this code runs inside autograd's backward (a hook, or a recomputed forward).
-
-    The autograd engine numbers each backward call (a "graph task") while it executes it;
-    outside of one the id is -1. PyTorch's FSDP asks the same question the same way.
-    """
-    return torch._C._current_graph_task_id() != -1
 
 
 def _storage_key(t):

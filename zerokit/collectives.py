@@ -57,6 +57,10 @@ why was not found), and ZeRO-1 and ZeRO-2 no faster.
 
 `zerokit.CommCounter` counts each as the one collective it stands for (the paper's volume),
 not as the sends, receives or broadcasts it is made of; `WireCounter` sees the real bytes.
+
+`device_flags` makes the presence flags the stages send beside their gradients (which
+parameters got one on this rank) as a tensor on the gradients' device, with no copy from the
+host: data parallel's all-reduce (lesson 02), ZeRO-1's flag all-reduce, DataParallel's buckets.
 """
 
 import os
@@ -67,7 +71,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-__all__ = ["reduce_scatter", "all_gather"]
+__all__ = ["reduce_scatter", "all_gather", "device_flags"]
 
 # the public spelling changed in torch 2.13: *_tensor is deprecated in favour of *_single
 _torch_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -234,3 +238,18 @@ def all_gather(output, input, group=None, async_op=False):
             works = _exchange(lambda j: chunks[rank], lambda j: chunks[j], group, n, rank)
     done = _Done(works)
     return done if async_op else done.wait() and None
+
+
+def device_flags(flags, dtype, device):
+    """A list of bools as a tensor on `device`, 1 for True, made without copying from the host.
+
+    torch.tensor(flags, device=...) would copy from ordinary (pageable) host memory, which CUDA does
+    synchronously: the host waits for the GPU to finish what is queued. A fill per run of equal
+    flags (usually one or two) queues like any other operation."""
+    out = torch.empty(len(flags), dtype=dtype, device=device)
+    start = 0
+    for i in range(1, len(flags) + 1):
+        if i == len(flags) or flags[i] != flags[start]:
+            out[start:i].fill_(1 if flags[start] else 0)
+            start = i
+    return out

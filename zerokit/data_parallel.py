@@ -37,9 +37,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .ddp import broadcast_parameters, device_flags
+from .collectives import device_flags
+from .ddp import broadcast_parameters
 from .flat import make_buckets
-from .zero1 import weak_hook
+from .hooks import weak_hook
 
 __all__ = ["DataParallel", "plan_buckets"]
 

@@ -12,7 +12,8 @@ reduce-scatter plus an all-gather: 2 * Psi * (N-1)/N elements sent per rank.
 
 Mixed precision (`precision=MixedPrecision(...)`, lesson 06): the parameters become 16-bit,
 the optimizer keeps an fp32 master copy of each, and the unchanged Adam above updates the
-masters (see zerokit.mixed_precision).
+masters (see zerokit.mixed_precision). Without it an optimizer holds a FullPrecision (below):
+the same calls, each doing nothing, so the fp32 path needs no branch.
 
 Beyond the lesson, on a GPU: lesson 01's Adam goes one parameter at a time, about eight kernels
 each; `foreach` (torch.optim.AdamW's option, and its default) runs the same update on all of
@@ -26,10 +27,10 @@ import torch
 import torch.distributed as dist
 
 from .adam import Adam
-from .mixed_precision import precision_state
+from .collectives import device_flags
 from .multi_tensor import adamw_multi_tensor_, default_foreach
 
-__all__ = ["DistributedAdam", "broadcast_parameters", "average_gradients", "device_flags"]
+__all__ = ["DistributedAdam", "broadcast_parameters", "average_gradients", "FullPrecision", "precision_state"]
 
 
 @torch.no_grad()
@@ -42,19 +43,58 @@ def broadcast_parameters(params, group=None):
         dist.broadcast(p.data, src=src, group=group)
 
 
-def device_flags(flags, dtype, device):
-    """A list of bools as a tensor on `device`, 1 for True, made without copying from the host.
+class FullPrecision:
+    """The precision state of an fp32 run: what the stages call on a MixedPrecisionState,
+    each doing nothing.
 
-    torch.tensor(flags, device=...) would copy from ordinary (pageable) host memory, which CUDA does
-    synchronously: the host waits for the GPU to finish what is queued. A fill per run of equal
-    flags (usually one or two) queues like any other operation."""
-    out = torch.empty(len(flags), dtype=dtype, device=device)
-    start = 0
-    for i in range(1, len(flags) + 1):
-        if i == len(flags) or flags[i] != flags[start]:
-            out[start:i].fill_(1 if flags[start] else 0)
-            start = i
-    return out
+    It lets a stage write its fp32 path once, without a branch for lesson 06 at every step:
+    the parameters and gradients keep their own dtype, no master copy is made (master_copy
+    gives None: Adam updates the weights themselves), the loss is not scaled and no step is
+    skipped. step_on_masters and clip_scaled_ are left out: without masters nobody calls them.
+    """
+
+    config = scaler = None
+    param_dtype = reduce_dtype = None  # the parameters' and the gradients' own
+    loss_scale = 1.0
+    found_inf = False
+
+    @staticmethod
+    def master_copy(tensor):
+        return None  # no master: the fp32 weights are updated in place
+
+    @staticmethod
+    def to_half(tensor):
+        return tensor
+
+    @staticmethod
+    def cast_parameters_(params):
+        pass
+
+    @staticmethod
+    def scale_loss(loss):
+        return loss
+
+    @staticmethod
+    def fp32_gradients(grads):
+        return list(grads)  # already fp32, and not scaled
+
+    @staticmethod
+    def should_step() -> bool:
+        return True
+
+    @staticmethod
+    def take_masters(params):
+        return None
+
+
+def precision_state(precision, group=None):
+    """What an optimizer built with `precision=` holds: a FullPrecision for None (fp32); for a
+    zerokit.MixedPrecision (lesson 06), the MixedPrecisionState it makes (MixedPrecision.state)."""
+    if precision is None:
+        return FullPrecision()
+    if not callable(getattr(precision, "state", None)):
+        raise TypeError(f"precision= takes a zerokit.MixedPrecision, not {type(precision).__name__}")
+    return precision.state(group)
 
 
 @torch.no_grad()

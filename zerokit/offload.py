@@ -26,7 +26,9 @@ optimizer is bit-identical to the in-memory one.
 
 A `Place` is what a ShardedAdamState asks where its tensors live and what to do around each
 chunk of its update (zerokit.zero1): InMemory (no offload: plain tensors beside the
-parameters, and nothing to do), DiskPlace, PinnedPlace. This module knows nothing of the stages.
+parameters, and nothing to do; zerokit.zero1's own), DiskPlace, PinnedPlace. This module knows
+nothing of the stages but where to hand its `offload_place` (zerokit.zero1.register_offload):
+lesson 03's module takes offload= without importing this later lesson's.
 """
 
 import mmap
@@ -39,8 +41,9 @@ from dataclasses import dataclass
 import torch
 
 from .memory import theory_bytes
+from .zero1 import InMemory, register_offload
 
-__all__ = ["Offload", "offload_place", "InMemory", "DiskTensor", "DiskPlace", "PinnedPlace", "offload_theory_bytes"]
+__all__ = ["Offload", "offload_place", "DiskTensor", "DiskPlace", "PinnedPlace", "offload_theory_bytes"]
 
 PAGE = mmap.PAGESIZE
 
@@ -88,41 +91,7 @@ def offload_place(offload, param_device):
     return DiskPlace(config)
 
 
-# ---------------------------------------------------------------------------------------
-# no offload: the null place
-
-
-class InMemory:
-    """The state where the parameters are, as plain tensors: what every place below does, done
-    the plain way, so that an optimizer without offload needs no branch of its own."""
-
-    offloaded = False
-    needs_master = False
-    chunk_numel = None  # the optimizer's own choice (zerokit.zero1: chunks on a CPU, the whole shard on a GPU)
-
-    def __init__(self, device):
-        self.device = torch.device(device)
-
-    def new_tensor(self, name, numel, init=None):
-        return torch.zeros(numel, dtype=torch.float32, device=self.device)
-
-    def hold(self, name, tensor):
-        return tensor  # a master made for this optimizer: already where it belongs
-
-    def begin(self, state, param_shard, grad_shard):
-        return param_shard, grad_shard
-
-    def before_chunk(self, a, b):
-        pass
-
-    def after_chunk(self, state, param_shard, a, b):
-        pass
-
-    def end(self):
-        pass
-
-    def copy_master(self, master, shard):
-        shard.copy_(master)
+register_offload(offload_place)  # ZeRO1Adam's offload= (and so every stage's) is answered here
 
 
 # ---------------------------------------------------------------------------------------

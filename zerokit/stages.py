@@ -120,15 +120,18 @@ def lessons_optimizer(key, model, *, bucket_mb=None, units=None, precision=None,
     gradient bucket size in MiB (None: the class's default); units: the modules ZeRO-3 gathers
     one at a time (None: ZeRO3Adam's default). A stage without buckets or units ignores them, so a
     caller can describe its granularity once for every stage."""
-    import zerokit
+    from .ddp import DistributedAdam
+    from .zero1 import ZeRO1Adam
+    from .zero2 import ZeRO2Adam
+    from .zero3 import ZeRO3Adam
 
     s = get_stage(key)
     extras = _given(precision=precision, offload=offload)
     if s.shards_parameters:  # the module, not its parameters: it hooks each unit's forward
-        return zerokit.ZeRO3Adam(model, units=units, **extras, **hyper)
+        return ZeRO3Adam(model, units=units, **extras, **hyper)
     if not s.shards_optimizer_state:
-        return zerokit.DistributedAdam(model.parameters(), **extras, **hyper)
-    cls = zerokit.ZeRO2Adam if s.shards_gradients else zerokit.ZeRO1Adam
+        return DistributedAdam(model.parameters(), **extras, **hyper)
+    cls = ZeRO2Adam if s.shards_gradients else ZeRO1Adam
     return cls(model.parameters(), **_given(bucket_mb=bucket_mb), **extras, **hyper)
 
 
@@ -138,17 +141,20 @@ def wrapper(key, model, *, half=None, bucket_mb=None, units=None, reshard_after_
     half: the 16-bit compute dtype or None (fp32): ZeRO1/ZeRO2 keep 16-bit weights with fp32
     masters and an fp32 reduction (MixedPrecision; fp16 scales its loss itself), FullyShard
     computes in it; DataParallel leaves 16 bits to the caller's torch.autocast (Stage.autocast)."""
-    import zerokit
+    from .data_parallel import DataParallel
+    from .elementwise import ZeRO1, ZeRO2
+    from .fully_shard import FullyShard
+    from .mixed_precision import MixedPrecision
 
     s = get_stage(key)
     if s.shards_parameters:
-        model = zerokit.FullyShard(model, units=units, compute_dtype=half, reshard_after_forward=reshard_after_forward)
+        model = FullyShard(model, units=units, compute_dtype=half, reshard_after_forward=reshard_after_forward)
         return model, torch.optim.AdamW(model.parameters(), **hyper)
     if not s.optimizer_inside:
-        model = zerokit.DataParallel(model, **_given(bucket_mb=bucket_mb))
+        model = DataParallel(model, **_given(bucket_mb=bucket_mb))
         return model, torch.optim.AdamW(model.parameters(), **hyper)
-    precision = zerokit.MixedPrecision(half, reduce_dtype=torch.float32) if half else None
-    cls = zerokit.ZeRO2 if s.shards_gradients else zerokit.ZeRO1
+    precision = MixedPrecision(half, reduce_dtype=torch.float32) if half else None
+    cls = ZeRO2 if s.shards_gradients else ZeRO1
     return model, cls(model.parameters(), torch.optim.AdamW, precision=precision, **_given(bucket_mb=bucket_mb),
                       **hyper)
 

@@ -21,7 +21,6 @@ and each rank keeps the fp32 master of its own shard beside m and v: the master 
 sharded with the optimizer state.
 """
 
-import weakref
 from dataclasses import dataclass
 from functools import partial
 
@@ -30,29 +29,67 @@ import torch.distributed as dist
 
 from .adam import adamw_update_, check_hyperparameters
 from .collectives import all_gather, reduce_scatter  # torch's, but direct on gloo (the ring's bytes)
-from .ddp import broadcast_parameters, device_flags
+from .collectives import device_flags
+from .ddp import broadcast_parameters, precision_state
 from .flat import FlatBucket, make_buckets
-from .mixed_precision import precision_state
+from .hooks import weak_hook
 from .multi_tensor import adamw_multi_tensor_, default_foreach
-from .offload import offload_place
 
-__all__ = ["ZeRO1Adam", "ShardedAdamState", "StateShard", "weak_hook"]
+__all__ = ["ZeRO1Adam", "ShardedAdamState", "StateShard", "InMemory", "state_place", "register_offload"]
 
 
-def weak_hook(method):
-    """A hook that calls `method` without keeping its object alive.
+class InMemory:
+    """The place of an optimizer's state without offload (lesson 08's offload= left None): the state
+    where the parameters are, as plain tensors. What every place of zerokit.offload does (DiskPlace,
+    PinnedPlace), done the plain way, so that an optimizer without offload needs no branch of its own."""
 
-    Hooks on parameters are held by C++, where Python's garbage collector cannot see the
-    cycle parameter -> hook -> optimizer -> parameter; a bound method there would keep
-    every optimizer ever built (and its shards) alive for as long as the model lives.
-    """
-    ref = weakref.WeakMethod(method)
+    offloaded = False
+    needs_master = False
+    chunk_numel = None  # the optimizer's own (ShardedAdamState.update: chunks on a CPU, the whole shard on a GPU)
 
-    def hook(*args):
-        target = ref()
-        return None if target is None else target(*args)
+    def __init__(self, device):
+        self.device = torch.device(device)
 
-    return hook
+    def new_tensor(self, name, numel, init=None):
+        return torch.zeros(numel, dtype=torch.float32, device=self.device)
+
+    def hold(self, name, tensor):
+        return tensor  # a master made for this optimizer: already where it belongs
+
+    def begin(self, state, param_shard, grad_shard):
+        return param_shard, grad_shard
+
+    def before_chunk(self, a, b):
+        pass
+
+    def after_chunk(self, state, param_shard, a, b):
+        pass
+
+    def end(self):
+        pass
+
+    def copy_master(self, master, shard):
+        shard.copy_(master)
+
+
+_OFFLOAD = []  # lesson 08's offload_place, once zerokit.offload is imported (zerokit's __init__ imports it)
+
+
+def register_offload(offload_place):
+    """Lesson 08's zerokit.offload hands its `offload_place(offload, param_device) -> Place` here
+    when it is imported: offload= then takes "disk", "cpu" and an Offload too, and this lesson's
+    module needs no import of that later one."""
+    _OFFLOAD[:] = [offload_place]
+
+
+def state_place(offload, param_device):
+    """The Place for an optimizer's offload= argument: None, InMemory (no offload); anything else
+    lesson 08's offload_place answers (see register_offload)."""
+    if offload is None:
+        return InMemory(param_device)
+    if not _OFFLOAD:
+        raise ValueError("offload= needs zerokit.offload (lesson 08), which is not imported")
+    return _OFFLOAD[0](offload, param_device)
 
 
 class ShardedAdamState:
@@ -69,7 +106,7 @@ class ShardedAdamState:
     def __init__(self, bucket: FlatBucket, place, foreach=False):
         self.bucket = bucket
         self.foreach = foreach
-        # lesson 08: where m, v and the master live (zerokit.offload: here, on disk, in pinned host memory)
+        # lesson 08: where m, v and the master live (InMemory: here; zerokit.offload: on disk, in pinned host memory)
         self.place = place
         self.exp_avg = place.new_tensor("exp_avg", bucket.shard_numel)
         self.exp_avg_sq = place.new_tensor("exp_avg_sq", bucket.shard_numel)
@@ -195,7 +232,7 @@ class ZeRO1Adam(torch.optim.Optimizer):
         self.reduce_dtype = self.precision.reduce_dtype  # None: the gradients' own
         first = next((p for g in self.param_groups for p in g["params"]), None)
         # lesson 08: where the optimizer state lives (InMemory: beside the parameters, no offload)
-        self.offload = offload_place(offload, first.device if first is not None else "cpu")
+        self.offload = state_place(offload, first.device if first is not None else "cpu")
         self.buckets, self.bucket_group, self.shards, self.flat_params, self._grad_buffers = [], [], [], [], []
         self._early = []  # beyond the exercise (bucket_mb): per bucket, (work, shard) sent during backward
         self._present = None  # beyond the exercise: the presence flags _early_shards agreed on with the other ranks

@@ -53,10 +53,10 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 
-from .activations import in_backward
 from .collectives import all_gather  # torch's, but direct on gloo
 from .flat import FlatBucket
-from .zero2 import ZeRO2Adam, weak_hook
+from .hooks import in_backward, weak_hook
+from .zero2 import ZeRO2Adam
 
 __all__ = ["ZeRO3Adam", "ShardedParameters", "UnitState", "default_units", "unit_list", "assign_units",
            "bucket_plan", "install_unit_hooks", "members"]
@@ -375,9 +375,11 @@ class ZeRO3Adam(ShardedParameters):
     # Backward's prefetch stays in flight while unit u computes, on gloo too. It once was received
     # at once on gloo, because gloo's own all-gather held a full-size temporary until the slower
     # rank joined it, on top of backward's peak. zerokit.collectives' all-gather (in place)
-    # holds nothing but the buffer the gather fills anyway: receiving at once cost 4 ms a
-    # step at N = 2 (the bench: 1.25-1.39 of the floor with it, 1.19-1.25 without) for the same
-    # peak (39.54 and 39.55 MiB per rank).
+    # holds nothing but the buffer the gather fills anyway. Receiving at once, measured again (a
+    # copy of this code whose _pre_backward then finishes the next unit's gathers on gloo,
+    # `python -m zerokit.bench -n 2`, 5 runs in turns with this code, on 2 CPU cores other jobs
+    # shared): 1.31-1.49 of the floor against 1.05-1.36, slower in every run (87 and 89 ms a step
+    # against 82 in the two quiet ones), for the same peak (39.31 MiB per rank in all ten).
 
     def _send(self, bi):
         """Bucket bi's gradients are all in: reduce-scatter them (ZeRO-2), then free the weights."""

@@ -152,13 +152,13 @@ class ZeROppAdam(ReshardZeRO3Adam):
 
     def __init__(self, module, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, units=None,
                  prefetch=True, group=None, precision=None, offload=None, reshard_after_forward=None,
-                 quantize_block=None, quantizer=None):
+                 quantize_block=None, quantizer=None, foreach=None):
         if quantize_block is not None and (not isinstance(quantize_block, int) or isinstance(quantize_block, bool)
                                            or quantize_block < 1):
             raise ValueError(f"quantize_block must be None or a positive number of elements, not {quantize_block!r}")
         super().__init__(module, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, units=units,
                          prefetch=prefetch, group=group, precision=precision, offload=offload,
-                         reshard_after_forward=reshard_after_forward)
+                         reshard_after_forward=reshard_after_forward, foreach=foreach)
         self.quantize_block, self.quantizer = quantize_block, quantizer
 
     def _start_gather(self, bi):
@@ -204,7 +204,7 @@ class HybridShardAdam(ZeRO3Adam):
     at N = k; the traffic across nodes is that all-reduce, $2\Psi/k$ elements."""
 
     def __init__(self, module, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, units=None,
-                 prefetch=True, group=None, node_size=None, precision=None, offload=None):
+                 prefetch=True, group=None, node_size=None, precision=None, offload=None, foreach=None):
         if node_size is None:
             raise ValueError("HybridShardAdam needs node_size, the ranks of a node that shard the model")
         self.outer = group  # every rank of the job: nodes x node_size
@@ -213,7 +213,7 @@ class HybridShardAdam(ZeRO3Adam):
         self.n_replicas = dist.get_world_size(self.replicas)
         broadcast_parameters(module.parameters(), group)  # every node starts from the same weights
         super().__init__(module, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, units=units,
-                         prefetch=prefetch, group=node, precision=precision, offload=offload)
+                         prefetch=prefetch, group=node, precision=precision, offload=offload, foreach=foreach)
 
     def _receive(self):
         """ZeRO-2's receive, with the gradient shard averaged across the nodes first."""

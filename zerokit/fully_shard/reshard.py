@@ -40,10 +40,9 @@ import torch.distributed as dist
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 
-from ..activations import in_backward
 from ..collectives import all_gather  # torch's, but direct on gloo
 from ..comm import group_ranks
-from ..zero2 import weak_hook
+from ..hooks import in_backward, weak_hook
 from ..zero3 import ZeRO3Adam, members
 
 __all__ = ["ReshardZeRO3Adam", "node_group", "unit_policies"]
@@ -99,9 +98,9 @@ class ReshardZeRO3Adam(ZeRO3Adam):
     """
 
     def __init__(self, module, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, units=None,
-                 prefetch=True, group=None, precision=None, offload=None, reshard_after_forward=None):
+                 prefetch=True, group=None, precision=None, offload=None, reshard_after_forward=None, foreach=None):
         super().__init__(module, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, units=units,
-                         prefetch=prefetch, group=group, precision=precision, offload=offload)
+                         prefetch=prefetch, group=group, precision=precision, offload=offload, foreach=foreach)
         self.set_reshard_after_forward(reshard_after_forward)
         self._secondary = [None] * len(self.buckets)  # bucket -> (its secondary shard, node group), while held
         self._ran = [set() for _ in self.units]  # a group's modules whose forward ran in this forward

@@ -202,7 +202,7 @@ def torch_adam_allowed():
 # Whose contents a check relies on besides GUARDED: the checks' own modules (a module global such
 # as assert_close, or a builtin's name shadowed there), what they import from zerokit, and torch.
 _TRUSTED_MODULES = ("zerokit.comm", "zerokit.memory", "zerokit.reference", "zerokit.models", "zerokit.activations",
-                    "zerokit.offload")
+                    "zerokit.hooks", "zerokit.offload")
 
 
 def _snapshot():

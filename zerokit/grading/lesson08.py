@@ -53,8 +53,9 @@ import tempfile
 import torch
 from torch import nn
 
-from ..activations import SavedActivations, checkpoint_modules, in_backward
+from ..activations import SavedActivations, checkpoint_modules
 from ..comm import CommCounter
+from ..hooks import in_backward
 from ..memory import PeakRSS, census, settled_resident_bytes
 from ..models import build_model, model_loss
 from ..offload import DiskPlace, DiskTensor

@@ -26,9 +26,9 @@ class LossScaling:
     the step and the scale halves, so the ranks' scales and weights never part."""
 
     def __init__(self):
-        from zerokit.mixed_precision import MixedPrecision, precision_state
+        from zerokit.mixed_precision import MixedPrecision
 
-        self.precision = precision_state(MixedPrecision("fp16"))
+        self.precision = MixedPrecision("fp16").state()
         self.scaler = self.precision.scaler  # the LossScaler: its scale and counters
 
     def load(self, state):
