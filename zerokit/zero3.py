@@ -319,6 +319,12 @@ class ZeRO3Adam(ShardedParameters):
         if u not in self._order:
             self._order.append(u)
 
+    @property
+    def forward_order(self):
+        """The units (indices into self.units) in the order the latest forward ran them: the one
+        under way once it has begun, else the last one ([] before the first forward)."""
+        return self._order or self._last_order
+
     def _next_in_forward(self, u):
         """The unit that ran right after u in the last forward (None: unknown, or none)."""
         k = self._last_order.index(u) + 1 if u in self._last_order else len(self._last_order)

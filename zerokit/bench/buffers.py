@@ -4,7 +4,7 @@ The demo prints these buffers beside what zerokit.memory.MemoryProbe measured, a
 tests/test_memory.py checks the probe against them. They are computed from the optimizer's
 buckets, units and the order its units ran in, so they read those internals: `opt.buckets`
 (each bucket's param_numel, numels, shard_numel, padded_numel), under ZeRO-3 `opt.bucket_units`,
-`opt.world_size`, `opt.max_in_flight`, `opt.units`, `opt._order` and `opt._last_order`.
+`opt.world_size`, `opt.max_in_flight`, `opt.units` and `opt.forward_order`.
 """
 
 FP32 = 4  # bytes per element: the demo trains in fp32
@@ -97,7 +97,7 @@ def gathered_peak(opt, names=None):
     size = {u: FP32 * sum(b.padded_numel for b, v in zip(opt.buckets, opt.bucket_units) if v == u)
             for u in range(len(opt.units))}
     shards = FP32 * sum(b.shard_numel for b in opt.buckets)
-    order = [u for u in (opt._order or opt._last_order) if u != 0]  # the forward order of the last step
+    order = [u for u in opt.forward_order if u != 0]  # the forward order of the last step
     pairs = [(order[0],)] + list(zip(order, order[1:]))
     pair = max(pairs, key=lambda us: sum(size[u] for u in us))
     label = " + ".join(_unit_name(opt, u, names or {}) for u in pair)
