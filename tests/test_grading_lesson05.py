@@ -219,15 +219,15 @@ class NeverFrees(Solution):
             if tensors:
                 register(tensors, lambda grad, u=u: self._pre_backward(u, grad), mode="any")
 
-    def _send(self, bi):
-        zerokit.ZeRO2Adam._send(self, bi)
+    def send(self, bi):
+        zerokit.ZeRO2Adam.send(self, bi)
 
 
 class KeepsUntilEndOfBackward(Solution):
     """Frees after forward, but in backward keeps every unit until the end of backward."""
 
-    def _send(self, bi):
-        zerokit.ZeRO2Adam._send(self, bi)
+    def send(self, bi):
+        zerokit.ZeRO2Adam.send(self, bi)
 
 
 class NoRegather(Solution):
@@ -339,7 +339,7 @@ class AllReduceGradients(Solution):
     gradient not reduce-scattered (twice the traffic)."""
 
     @torch.no_grad()
-    def _send(self, bi):
+    def send(self, bi):
         bucket = self.buckets[bi]
         flat = bucket.flatten([p.grad for p in bucket.params])
         for p in bucket.params:

@@ -58,14 +58,14 @@ DEFECTS = {
         {"recompute": "was gathered twice"}),
     "keeps_units_gathered": ("hooks", "        if u != 0 or not backward_coming:", "        if not backward_coming:",
                              {"recompute_memory": "still held its full weights"}),
-    "frees_after_recompute": ("hooks", "        if in_backward():  # keep u for its backward (_send frees it); its "
+    "frees_after_recompute": ("hooks", "        if in_backward():  # keep u for its backward (send frees it); its "
                               "outputs get no gradient\n            return\n", "",
                               {"recompute_traffic": "all-gathered 3 times"}),
-    "double_reduce_scatter": ("hooks", "        if in_backward():  # keep u for its backward (_send frees it); its "
+    "double_reduce_scatter": ("hooks", "        if in_backward():  # keep u for its backward (send frees it); its "
                               "outputs get no gradient\n            return\n",
                               "        if in_backward():  # 'free' it the way backward does\n"
                               "            for bi in self._buckets_of_unit[u]:\n"
-                              "                self._send(bi)\n            return\n",
+                              "                self.send(bi)\n            return\n",
                               {"recompute_traffic": "was sent 2 times"}),
     "loads_whole_state": ("offload", "    for a in range(0, n, chunk_numel):\n        b = min(a + chunk_numel, n)",
                           "    for a in range(0, n, n):  # one chunk: everything\n        b = n",
@@ -88,7 +88,7 @@ DEFECTS = {
 # memory check runs awkward, whose root owns the tied embedding (hidden configurations below)
 ROOT_DEFECTS = {
     "frees_root_in_recompute": (
-        "        if in_backward():  # keep u for its backward (_send frees it); its outputs get no gradient\n"
+        "        if in_backward():  # keep u for its backward (send frees it); its outputs get no gradient\n"
         "            return\n",
         "        if in_backward():  # the root is not needed by the recomputed block\n"
         "            for bi in self._buckets_of_unit[0]:\n                self._free(bi)\n            return\n",

@@ -92,7 +92,7 @@ def _one_transfer_at_a_time(rank, world_size, lazy):
         seen.append(("gather", len(opt._in_flight), len(opt._gathering)))
 
     def reducing(output, input):
-        opt = box["opt"]  # ZeRO-2's _send sets _next past the bucket after its reduce-scatter
+        opt = box["opt"]  # ZeRO-2's send sets _next past the bucket after its reduce-scatter
         seen.append(("reduce", len(opt._gathering), opt.bucket_state(opt._next).value))
 
     if lazy:

@@ -222,7 +222,7 @@ def unit_state_figure():
              "  _start_gather   <- _gather_unit: in this unit's _pre_forward or _pre_backward, or ahead of time in "
              "the previous unit's (prefetch)",
              "  _finish_gather  <- _gather_unit of this unit: its _pre_forward, its _pre_backward",
-             "  _free           <- _post_forward (after its forward; not the root), _send (its gradients are on their "
+             "  _free           <- _post_forward (after its forward; not the root), send (its gradients are on their "
              "way), _end_of_backward (the root, unused prefetches)"]
     ax.text(xs[0], y - 2.05, "\n".join(hooks), ha="left", va="top", fontsize=8.5, family="monospace")
     ax.set_xlim(-0.3, xs[3] + w + 0.3)

@@ -45,20 +45,20 @@ STUDENTS = [
             {**FULL, "test_recompute_memory": 0}, reason="still held its full weights",
             cells=_with("recomputing_zero3", "        if u != 0 or not backward_coming:",
                         "        if not backward_coming:  # BUG: keep every unit for the recomputation")),
-    Student("double_reduce_scatter", "_post_forward inside backward 'frees' the unit with _send: its bucket is "
+    Student("double_reduce_scatter", "_post_forward inside backward 'frees' the unit with send: its bucket is "
             "reduce-scattered from the recomputation and again when its gradients come",
             {**FULL, "test_recompute_traffic": 0}, reason="was sent 2 times",
             cells=_with("recomputing_zero3",
-                        "        if in_backward():  # keep u for its backward (_send frees it); its outputs get no "
+                        "        if in_backward():  # keep u for its backward (send frees it); its outputs get no "
                         "gradient\n            return\n",
-                        "        if in_backward():  # BUG: _send frees the unit, but it also sends\n"
-                        "            for bi in self._buckets_of_unit[u]:\n                self._send(bi)\n"
+                        "        if in_backward():  # BUG: send frees the unit, but it also sends\n"
+                        "            for bi in self._buckets_of_unit[u]:\n                self.send(bi)\n"
                         "            return\n")),
     Student("frees_root_in_recompute", "_post_forward frees the root unit in a recomputation ('the block does not "
             "need it'): awkward's root owns the tied embedding, whose gradient is still to come",
             {**FULL, "test_recompute_memory": 0}, reason="had freed the root unit's embed.weight",
             cells=_with("recomputing_zero3",
-                        "        if in_backward():  # keep u for its backward (_send frees it); its outputs get no "
+                        "        if in_backward():  # keep u for its backward (send frees it); its outputs get no "
                         "gradient\n            return\n",
                         "        if in_backward():  # BUG: the root is not needed by the recomputed block\n"
                         "            for bi in self._buckets_of_unit[0]:\n                self._free(bi)\n"

@@ -33,7 +33,7 @@ def buffer_bytes(stage, opt, model=None):
       forward). Counting it whole is an upper bound by what has not arrived yet.
     The "buffer" is the peak minus the paper's figure; every shard and flat copy counted
     includes its padding (the end's, and the gaps that align each parameter: zerokit.flat).
-    These are the moments the probe can see, between hooks: inside one `_send` a bucket's
+    These are the moments the probe can see, between hooks: inside one `send` a bucket's
     .grad and its new flat copy coexist for an instant, next to a third transfer not yet
     awaited, which only the allocator's peak would show.
     """

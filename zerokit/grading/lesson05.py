@@ -8,7 +8,7 @@ memory released in place: `resize_(0)`, which also frees it under the views auto
 for backward; the scaffold's `_gather_buffer` re-allocates that same storage). `MyZeRO3Adam`
 builds on it and writes the hooks: `_gather_unit` (with prefetch), `_pre_forward`,
 `_post_forward` (free, and hook the outputs for the pre-backward gather), `_pre_backward`
-and `_send` (reduce-scatter, then free). Each check runs on real ranks, each rank on its
+and `send` (reduce-scatter, then free). Each check runs on real ranks, each rank on its
 own slice of the batch, and looks at one thing:
 
 - check_gather_free           the mechanics alone: one all-gather per gather, on self.group
@@ -85,7 +85,7 @@ __all__ = ["check_gather_free", "check_numerics", "check_memory", "check_traffic
 HYPER = dict(lr=1e-2, weight_decay=0.1, eps=1e-6)
 PER_RANK = 3  # samples per rank per step
 MECHANICS = ("_start_gather", "_finish_gather", "_free")
-HOOKS = ("_gather_unit", "_pre_forward", "_post_forward", "_pre_backward", "_send")
+HOOKS = ("_gather_unit", "_pre_forward", "_post_forward", "_pre_backward", "send")
 
 # which of kit.SITUATIONS the hidden tests meet (tests/test_situations.py holds this to them)
 SITUATIONS = {
@@ -105,7 +105,7 @@ SITUATIONS = {
     "zero3": "check_numerics",  # the lesson's code is ZeRO-3 itself
     "zero-grad-shard": "n/a: the gradient shards come from the scaffold's base, zerokit.ZeRO2Adam (lesson 04's "
                        "checks); nothing the student writes here reads or reduces a gradient",
-    "out-of-order": "n/a: ZeRO-2 underneath calls the student's _send in bucket order, whatever order the "
+    "out-of-order": "n/a: ZeRO-2 underneath calls the student's send in bucket order, whatever order the "
                     "gradients arrive in, so no code of this lesson sees the arrival order",
     "fp16-scale": "n/a: lesson 05 trains in float32; mixed precision and its loss scale arrive in lesson 06",
 }
@@ -555,8 +555,8 @@ class _ReferenceHooks:
         for bi in range(len(self.buckets)):
             self._free(bi)
 
-    def _send(self, bi):
-        super()._send(bi)
+    def send(self, bi):
+        super().send(bi)
         self._free(bi)
 
 
@@ -697,13 +697,13 @@ def _memory_case(rank, world_size, cls, model_name, units, steps):
             if kept and not problems:
                 problems.append(f"in backward, once every gradient of {bucket_label(bi, buckets[bi], name_of)} "
                                 f"had arrived and been reduce-scattered, {kept[0]} still held its full weights: "
-                                "free a unit's parameters as soon as its gradients are sent (_send)")
+                                "free a unit's parameters as soon as its gradients are sent (send())")
         sample()
 
     handles += [p.register_post_accumulate_grad_hook(on_grad) for _, p in trainable]
     sent = set()  # the buckets whose gradients were sent in this backward
 
-    def sending(bi, send=opt._send):
+    def sending(bi, send=opt.send):
         sent.add(bi)
         send(bi)
 
@@ -716,7 +716,7 @@ def _memory_case(rank, world_size, cls, model_name, units, steps):
                             "(_next_in_backward), not the next one in forward order")
         start(bi)
 
-    opt._send, opt._start_gather = sending, starting  # the hooks and zerokit's mechanics call them through self
+    opt.send, opt._start_gather = sending, starting  # the hooks and zerokit's mechanics call them through self
     for step in range(steps):
         x, y = _my_slice(model_name, step, world_size, rank)
         phase[0] = "forward"
@@ -826,12 +826,12 @@ def _comm_case(rank, world_size, cls, model_name, units, steps):
             finally:
                 depth[0] -= 1
 
-        def sending(bi, send=opt._send):
+        def sending(bi, send=opt.send):
             sent.add(bi)
             send(bi)
 
         # the hooks and zerokit's _finish_gather call them through self
-        opt._start_gather, opt._finish_gather, opt._send = counting, finishing, sending
+        opt._start_gather, opt._finish_gather, opt.send = counting, finishing, sending
 
         def pre(module, args, bi):
             events.append(("forward", bi, counter[0].count("all_gather")))
@@ -973,7 +973,7 @@ def _check_traffic(step, fwd, bwd, buckets, events, names, prefetch, model, unit
             "in flight, must not be gathered again, and a prefetch must be of the unit that runs next")
     if bwd.count("reduce_scatter") != len(buckets):
         raise AssertionError(f"step {step + 1}: backward made {bwd.count('reduce_scatter')} reduce-scatters; "
-                             f"expected one per bucket ({len(buckets)}): _send must call ZeRO-2's _send (super)")
+                             f"expected one per bucket ({len(buckets)}): send() must call ZeRO-2's (super().send(bi))")
     # the k-th unit to run was prefetched if its all-gather was issued before its own pre-hook
     forward = [(bi, c) for phase, bi, c in events if phase == "forward"]
     ahead = {"forward": (sum(c >= k + 1 for k, (_, c) in enumerate(forward) if k > 0), max(len(forward) - 1, 0))}

@@ -297,11 +297,11 @@ def _graded(cls, graded):
         if starting:
             self.gather_log.append((in_backward(), bi))
 
-    def _send(self, bi):
+    def send(self, bi):
         self.send_log.append(bi)
-        ZeRO3Adam._send(self, bi)
+        ZeRO3Adam.send(self, bi)
 
-    body.update(_start_gather=_start_gather, _send=_send)
+    body.update(_start_gather=_start_gather, send=send)
     return type(cls.__name__, (cls,), body)
 
 
@@ -394,7 +394,7 @@ def _memory_case(rank, world_size, cls, model_name):
                 problems.append(f"during backward, after the recomputed forward of {units[module]}, your _post_forward "
                                 f"had freed the root unit's {root_freed()}: a recomputation frees nothing, and the "
                                 "root stays gathered until backward ends (gradients still to come land in its "
-                                "parameters; _send and the end of backward free it)")
+                                "parameters; send() and the end of backward free it)")
             return
         if u == 0 and torch.is_grad_enabled() and root_freed():
             problems.append(f"right after the forward, your _post_forward freed the root unit's {root_freed()} "
@@ -486,7 +486,7 @@ def _traffic_case(rank, world_size, cls, model_name):
                     f"step {step + 1}: {bucket_label(bi, opt.buckets[bi], names)} was all-gathered {gathers[bi]} "
                     "times in one step, at most 2 (forward, backward): freed at the end of its recomputation, it "
                     "had to be gathered again for the backward that follows; inside backward, keep the unit "
-                    "gathered after its forward (_send frees it once its gradients are sent)")
+                    "gathered after its forward (send() frees it once its gradients are sent)")
             opt.step()
             opt.zero_grad()
             rows.append({"gathers": comm.volume("all_gather"), "reduce_scatters": comm.volume("reduce_scatter")})
