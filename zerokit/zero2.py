@@ -198,7 +198,7 @@ class ZeRO2Adam(ZeRO1Adam):
     # for the oldest, so the full-size gradient copies alive stay bounded (not Psi by the end).
     # It waits before making its own copy: waiting after would hold one copy more at the peak
     # (the bench's ZeRO-3 peak, N = 2: 1.13 times FSDP2's with the wait after, 1.08 before;
-    # ZeRO-3 also receives every transfer before each new all-gather: zero3.py, _start_gather).
+    # ZeRO-3 also receives every transfer before each new all-gather: zero3.py, start_gather).
     max_in_flight = 2
 
     @contextmanager

@@ -24,7 +24,7 @@ def buffer_bytes(stage, opt, model=None):
       gathered from forward to the end of backward, and while one unit computes the next
       (in forward order, or the previous one in backward) is being gathered (prefetch).
     - ZeRO-3, gradients: as ZeRO-2's, with one bucket per unit, except that a new all-gather
-      first receives every transfer in flight (ShardedParameters._start_gather): each
+      first receives every transfer in flight (ShardedParameters.start_gather): each
       unit's backward hook prefetches the next (all but the last, whose next is the root,
       gathered already), so its gradients fill with none of them left; and the root unit's
       gradients waiting, counted whole, until it is sent last, right after (in the same
@@ -71,7 +71,7 @@ def gradient_peak(opt, names=None):
     units = getattr(opt, "bucket_units", [None] * len(buckets))  # ZeRO-3: the unit of each bucket
     held = [u == 0 for u in units]  # ZeRO-3's root unit (see above)
     label = [f"bucket {i}" if u is None else _unit_name(opt, u, names or {}) for i, u in enumerate(units)]
-    drains = bool(units) and units[0] is not None and getattr(opt, "prefetch", False)  # ZeRO-3: _start_gather drains first
+    drains = bool(units) and units[0] is not None and getattr(opt, "prefetch", False)  # ZeRO-3: start_gather drains first
     last_unit = max((i for i, is_held in enumerate(held) if not is_held), default=None)
     shards, flight, moments = 0, [], []
     for i, b in enumerate(buckets):

@@ -398,7 +398,7 @@ class LazyWork:
 
 
 @contextlib.contextmanager
-def lazy_transfers(obj, start="_start_gather", table="_gathering"):
+def lazy_transfers(obj, start="start_gather", table="gathering"):
     """Inside: each transfer `obj.<start>(key)` leaves in `obj.<table>[key]` as a tuple
     (work, output, ...) gets a `LazyWork` in place of its work. Yields {key: the LazyWork of the
     latest transfer started for that key}, to ask afterwards whether it was waited for."""
