@@ -116,7 +116,7 @@ def test_untouched_student_notebook_fails_every_check():
 # out= itself). The first two tests below prove that isolation once; each example is then run against the
 # checks that run the code it changed (tests/test_autograde.py grades every example's whole notebook).
 
-_GRADES = {"numerics": {"_keep_secondary"}, "traffic": {"start_gather"}, "memory": {"_keep_secondary", "free"}}
+_GRADES = {"numerics": {"keep_secondary"}, "traffic": {"start_gather"}, "memory": {"keep_secondary", "free"}}
 _LOST = {"test_hpz_numerics": "numerics", "test_hpz_traffic": "traffic", "test_hpz_memory": "memory",
          "test_quantize": "quantize", "test_qwz_gather": "gather", "test_qwz_training": "training"}
 DEFECTS = examples.DEFECTS  # each alone (the graded notebooks hold one per exercise: one_per_exercise)
@@ -134,7 +134,7 @@ def _checks_that_run(cell, edited):
     if cell == "hpz_class":
         before, after = _methods(SOURCES[cell]), _methods(edited)
         changed = {name for name in before | after if before.get(name) != after.get(name)}
-        assert changed <= {"_keep_secondary", "start_gather", "free"}, changed
+        assert changed <= {"keep_secondary", "start_gather", "free"}, changed
         return {name: HPZ[name] for name, graded in _GRADES.items() if graded & changed}
     if cell == "quantize":
         return {"quantize": QWZ["quantize"], "training": QWZ["training"]}
@@ -168,7 +168,7 @@ def test_each_hpz_check_runs_only_the_methods_it_grades(capsys):
 
     for name, graded in _GRADES.items():
         edit = SOURCES["hpz_class"]
-        for method in {"_keep_secondary", "start_gather", "free"} - graded:
+        for method in {"keep_secondary", "start_gather", "free"} - graded:
             edit = method_replaced(method, _UNCALLED.format(name=method))(edit)
         fails_exactly({name: HPZ[name]}, _module(f"only_{name}", hpz_class=edit), {}, capsys)
 

@@ -37,7 +37,7 @@ LABEL = "beyond the exercise"
 CASES = [
     ("04_zero2", "MyZeRO2Adam", zerokit.zero2.ZeRO2Adam, ["_on_grad_ready", "send", "_end_of_backward"]),
     ("05_zero3", "ShardedParameters", zerokit.zero3.ShardedParameters, ["start_gather", "finish_gather", "free"]),
-    ("11_zeropp", "MyHpZAdam", ReshardZeRO3Adam, ["_keep_secondary", "start_gather", "free"]),
+    ("11_zeropp", "MyHpZAdam", ReshardZeRO3Adam, ["keep_secondary", "start_gather", "free"]),
 ]
 # lessons whose exercises are functions: (lesson, the reference's module, [functions])
 FUNCTION_CASES = [

@@ -164,7 +164,7 @@ class ZeROppAdam(ReshardZeRO3Adam):
     def start_gather(self, bi):
         """Bucket bi's gather: from the secondary shards inside the node as hpZ has it (exact), else
         from the shards over all ranks, quantised on the wire (qwZ)."""
-        if (self.quantize_block is None or self._secondary[bi] is not None or self.full[bi] is not None
+        if (self.quantize_block is None or self.secondary[bi] is not None or self.full[bi] is not None
                 or bi in self.gathering):
             return super().start_gather(bi)
         for other in list(self.gathering):  # one transfer at a time, as ShardedParameters.start_gather

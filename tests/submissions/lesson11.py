@@ -2,7 +2,7 @@
 
 Points: test_hpz_numerics 3, test_hpz_traffic 2, test_hpz_memory 2, test_quantize 2, test_qwz_gather 2,
 test_qwz_training 2, test_questions 2. Each defect costs the check meant to catch it: the hpZ checks grade
-one method each (numerics _keep_secondary's piece, traffic start_gather, memory what _keep_secondary keeps
+one method each (numerics keep_secondary's piece, traffic start_gather, memory what keep_secondary keeps
 and free() drops) with zerokit's version of the others; the gather check runs zerokit's quantiser; training
 runs the student's quantiser on whole blocks and writes out= itself. The one defect that costs two is the
 per-tensor scale, which check_quantize names and which also shows in training (the lesson's claim that
@@ -53,23 +53,23 @@ HPZ_ACROSS_NODES = method_replaced("start_gather", '''
 HPZ_KEEPS_WHOLE_UNIT = solution_with(
     "        secondary = self.full[bi][j * piece:(j + 1) * piece].clone()\n"
     "        self.free(bi)\n"
-    "        self._secondary[bi] = (secondary, node)",
+    "        self.secondary[bi] = (secondary, node)",
     "        secondary = self.full[bi][j * piece:(j + 1) * piece].clone()\n"
-    "        self._secondary[bi] = (secondary, node)  # BUG: the unit is not freed: it stays whole until backward")
+    "        self.secondary[bi] = (secondary, node)  # BUG: the unit is not freed: it stays whole until backward")
 
 # The secondary shard is never dropped: the gather reads it and leaves it, free() forgets to clear it. Every
 # secondary shard outlives backward (and the next forward would find a stale one).
 HPZ_NEVER_DROPS_SECONDARY = _both(
-    solution_with("        (secondary, node), self._secondary[bi] = self._secondary[bi], None  # the gather holds it "
+    solution_with("        (secondary, node), self.secondary[bi] = self.secondary[bi], None  # the gather holds it "
                   "until done",
-                  "        secondary, node = self._secondary[bi]  # BUG: the entry stays"),
-    solution_with("        self._secondary[bi] = None\n        super().free(bi)",
+                  "        secondary, node = self.secondary[bi]  # BUG: the entry stays"),
+    solution_with("        self.secondary[bi] = None\n        super().free(bi)",
                   "        super().free(bi)  # BUG: the secondary shard is not dropped"))
 
 # No secondary shard kept at all: the piece is cut and the unit freed, but the pair is never stored. The
 # numbers are ZeRO-3's, and backward has nothing to gather inside the node.
-HPZ_KEEPS_NO_SECONDARY = solution_with("        self._secondary[bi] = (secondary, node)\n",
-                                       "        # BUG: the piece is never stored in self._secondary\n")
+HPZ_KEEPS_NO_SECONDARY = solution_with("        self.secondary[bi] = (secondary, node)\n",
+                                       "        # BUG: the piece is never stored in self.secondary\n")
 
 # The gather from the secondary shards into a tensor of its own instead of the bucket's buffer: autograd's
 # saved views of the weights point into the bucket's buffer, which stays empty ("setStorage ... out of bounds").
@@ -88,12 +88,12 @@ HPZ_SYNCHRONOUS = solution_with(
 # finish_gather calls start_gather again while the gather is in flight, and a second gather writes the
 # same buffer (gloo's threads crash the rank with signal 11).
 HPZ_NO_GUARD = solution_with(
-    "        if self._secondary[bi] is None or self.full[bi] is not None or bi in self.gathering:\n"
+    "        if self.secondary[bi] is None or self.full[bi] is not None or bi in self.gathering:\n"
     "            return super().start_gather(bi)\n"
-    "        (secondary, node), self._secondary[bi] = self._secondary[bi], None  # the gather holds it until done",
-    "        if self._secondary[bi] is None:  # BUG: no guard for a bucket full or on its way\n"
+    "        (secondary, node), self.secondary[bi] = self.secondary[bi], None  # the gather holds it until done",
+    "        if self.secondary[bi] is None:  # BUG: no guard for a bucket full or on its way\n"
     "            return super().start_gather(bi)\n"
-    "        secondary, node = self._secondary[bi]")
+    "        secondary, node = self.secondary[bi]")
 
 # The secondary shards gathered on the optimizer's whole group instead of the node: 1/k of the unit from
 # each of N ranks does not fill the unit (gloo: "invalid tensor size").
@@ -109,12 +109,12 @@ HPZ_REUSES_SECONDARY = method_replaced("start_gather", '''
         keeps one, else as ZeRO-3 does."""
         if self.full[bi] is not None or bi in self.gathering:
             return super().start_gather(bi)
-        entry = self._secondary[bi]
+        entry = self.secondary[bi]
         if entry is None:
             entry = getattr(self, "_reused", {}).get(bi)  # BUG: last step's pieces, kept for the next forward
             if entry is None:
                 return super().start_gather(bi)
-        self._secondary[bi] = None
+        self.secondary[bi] = None
         self.__dict__.setdefault("_reused", {})[bi] = entry
         secondary, node = entry
         full = self.gather_buffer(bi, secondary)

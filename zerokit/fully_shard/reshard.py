@@ -29,7 +29,7 @@ shard" over one rank is the whole unit), as in FSDP2.
 two hooks changed: what `post_forward` leaves (free, keep, or keep a secondary shard) and
 where `start_gather` gathers from (the shards over all N ranks, or the secondary shards over
 the node's k). Lesson 11's hpZ is this class with an int (`zerokit.zeropp.ZeROppAdam` adds qwZ to
-it), and its exercise, `MyHpZAdam`, writes `_keep_secondary`, `start_gather` and `free` as they
+it), and its exercise, `MyHpZAdam`, writes `keep_secondary`, `start_gather` and `free` as they
 are here, less what is labelled beyond the exercise (tests/test_reference_reads_as_lesson.py).
 """
 
@@ -103,7 +103,7 @@ class ReshardZeRO3Adam(ZeRO3Adam):
         super().__init__(module, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, units=units,
                          prefetch=prefetch, group=group, precision=precision, offload=offload)
         self.set_reshard_after_forward(reshard_after_forward)
-        self._secondary = [None] * len(self.buckets)  # bucket -> (its secondary shard, node group), while held
+        self.secondary = [None] * len(self.buckets)  # bucket -> (its secondary shard, node group), while held
         self._ran = [set() for _ in self.units]  # a group's modules whose forward ran in this forward
 
     def set_reshard_after_forward(self, value, units=None):
@@ -138,10 +138,10 @@ class ReshardZeRO3Adam(ZeRO3Adam):
             if policy is True:
                 self.free(bi)
             elif policy is not False:
-                self._keep_secondary(bi, self.node_groups[policy])
+                self.keep_secondary(bi, self.node_groups[policy])
 
     @torch.no_grad()
-    def _keep_secondary(self, bi, node):
+    def keep_secondary(self, bi, node):
         """Keep this rank's 1/k of bucket bi's gathered buffer (k = the node's size), free the rest."""
         if self.full[bi] is None:  # not gathered (a unit that did not compute): nothing to keep
             return
@@ -149,28 +149,28 @@ class ReshardZeRO3Adam(ZeRO3Adam):
         piece = self.buckets[bi].padded_numel // k  # N divides the padded size, and k divides N
         secondary = self.full[bi][j * piece:(j + 1) * piece].clone()
         self.free(bi)
-        self._secondary[bi] = (secondary, node)
+        self.secondary[bi] = (secondary, node)
 
     def start_gather(self, bi):
         """Gather bucket bi from its secondary shards inside the node if it has them, else from the
         shards over all ranks (ShardedParameters.start_gather)."""
-        if self._secondary[bi] is None or self.full[bi] is not None or bi in self.gathering:
+        if self.secondary[bi] is None or self.full[bi] is not None or bi in self.gathering:
             return super().start_gather(bi)
         for other in list(self.gathering):  # beyond the exercise (lesson 11): one transfer at a time, as
             self.finish_gather(other)  # ShardedParameters.start_gather
         while self._in_flight:  # beyond the exercise (lesson 11)
             self._receive()
-        (secondary, node), self._secondary[bi] = self._secondary[bi], None  # the gather holds it until done
+        (secondary, node), self.secondary[bi] = self.secondary[bi], None  # the gather holds it until done
         full = self.gather_buffer(bi, secondary)
         work = all_gather(full, secondary, group=node, async_op=True)
         self.gathering[bi] = (work, full, secondary)
 
     def free(self, bi):
         """Bucket bi back to its shard only: its secondary shard goes too."""
-        self._secondary[bi] = None
+        self.secondary[bi] = None
         super().free(bi)
 
     def memory_categories(self):
         cats = super().memory_categories()
-        cats["parameters"] = cats["parameters"] + [s for s, _ in filter(None, self._secondary)]
+        cats["parameters"] = cats["parameters"] + [s for s, _ in filter(None, self.secondary)]
         return cats

@@ -1,6 +1,6 @@
 r"""Checks for lesson 11 (ZeRO++ and hybrid sharding): hpZ and qwZ on ranks laid out as nodes.
 
-    check_hpz_numerics(cls, world_size=4, node_size=2, ...)  your _keep_secondary: right after each forward,
+    check_hpz_numerics(cls, world_size=4, node_size=2, ...)  your keep_secondary: right after each forward,
                                                              each secondary shard kept is this rank's 1/k of
                                                              its unit, a copy; bit for bit zerokit.ZeRO3Adam
                                                              in the same ranks on the same data (losses,
@@ -10,7 +10,7 @@ r"""Checks for lesson 11 (ZeRO++ and hybrid sharding): hpZ and qwZ on ranks laid
                                                              nodes (4Ψ), backward's stay inside the node (4Ψ,
                                                              0 across), the reduce-scatters as ZeRO-3's; a
                                                              gather that cannot work named before it runs
-    check_hpz_memory(cls, ...)                               your _keep_secondary and free(): between forward and
+    check_hpz_memory(cls, ...)                               your keep_secondary and free(): between forward and
                                                              backward the shards and the secondary shards,
                                                              Ψ/N + Ψ/k; after backward, after an eval forward:
                                                              ZeRO-3's, nothing kept
@@ -32,7 +32,7 @@ group spans nodes counts whole as inter-node (ZeRO++'s accounting).
 
 One bug costs one check. Each hpZ check grades one method of the student's class and gives it
 zerokit's version of the others (the solution's, `_reference_*` below): numerics the piece
-`_keep_secondary` keeps, traffic where `start_gather` gathers, memory what `_keep_secondary` keeps and
+`keep_secondary` keeps, traffic where `start_gather` gathers, memory what `keep_secondary` keeps and
 `free` drops (beside a reference gather that leaves the secondary shard where it is, so that a `free`
 that never drops it shows). The qwZ gather check runs the student's gather with zerokit's
 quantize_blocks and dequantize_blocks in place of the student's (the names it calls), so a quantiser bug
@@ -136,11 +136,11 @@ def _crosses(call, node_size):
 def _check_hpz_class(cls):
     check_class(cls, "your hpZ class (MyHpZAdam)", refuse=_NOT_ZEROKIT, base=ZeRO3Adam,
                 base_hint="keep the scaffold's base class, zerokit.ZeRO3Adam",
-                methods=("_keep_secondary", "start_gather", "free"), written_in=(zeropp.ReshardZeRO3Adam,))
+                methods=("keep_secondary", "start_gather", "free"), written_in=(zeropp.ReshardZeRO3Adam,))
 
 
 def _secondary_tensor(entry):
-    """The tensor of a _secondary[bi] entry: (tensor, node) as the scaffold keeps it, or a tensor."""
+    """The tensor of a secondary[bi] entry: (tensor, node) as the scaffold keeps it, or a tensor."""
     if isinstance(entry, (tuple, list)) and entry and isinstance(entry[0], torch.Tensor):
         return entry[0]
     return entry if isinstance(entry, torch.Tensor) else None
@@ -153,7 +153,7 @@ def _has_bytes(t):
 def _usable_secondary(opt, bi):
     """(piece, node) of bucket bi, where this rank keeps a secondary shard the reference can gather
     from: a tensor of P/k elements whose bytes are there; else None."""
-    entry = opt._secondary[bi]
+    entry = opt.secondary[bi]
     piece = _secondary_tensor(entry)
     node = entry[1] if isinstance(entry, (tuple, list)) and len(entry) > 1 and entry[1] is not None else opt.node
     if piece is None or not _has_bytes(piece):
@@ -175,7 +175,7 @@ def _reference_keep_secondary(self, bi, node):
     piece = self.buckets[bi].padded_numel // k
     secondary = self.full[bi][j * piece:(j + 1) * piece].clone()
     self.free(bi)
-    self._secondary[bi] = (secondary, node)
+    self.secondary[bi] = (secondary, node)
 
 
 _FLAG = torch.zeros(1, dtype=torch.int32)  # made once, at import: the memory check's census counts it in every run
@@ -198,20 +198,20 @@ def _reference_start_gather(self, bi, take=True):
         return ZeRO3Adam.start_gather(self, bi)
     secondary, node = usable
     if take:
-        self._secondary[bi] = None
+        self.secondary[bi] = None
     full = self.gather_buffer(bi, secondary)
     self.gathering[bi] = (all_gather(full, secondary, group=node, async_op=True), full, secondary)
 
 
 def _reference_start_gather_leaving_it(self, bi):
-    """The reference gather that leaves the secondary shard in _secondary: only the student's
+    """The reference gather that leaves the secondary shard in self.secondary: only the student's
     free() then drops it (the memory check grades free())."""
     return _reference_start_gather(self, bi, take=False)
 
 
 @torch.no_grad()
 def _reference_free(self, bi):
-    self._secondary[bi] = None
+    self.secondary[bi] = None
     ZeRO3Adam.free(self, bi)
 
 
@@ -295,12 +295,12 @@ def _watched_start_gather(student):
 
 def _graded(cls, grade):
     """cls with zerokit's version of each of the three methods except `grade`'s. grade="free":
-    the student's _keep_secondary and free() beside a reference gather that leaves the secondary
+    the student's keep_secondary and free() beside a reference gather that leaves the secondary
     shard where it is, so that only free() drops it."""
-    if grade == "_keep_secondary":
+    if grade == "keep_secondary":
         methods = {"start_gather": _reference_start_gather, "free": _reference_free}
     elif grade == "start_gather":
-        methods = {"_keep_secondary": _reference_keep_secondary, "free": _reference_free,
+        methods = {"keep_secondary": _reference_keep_secondary, "free": _reference_free,
                    "start_gather": _watched_start_gather(cls.start_gather)}
     elif grade == "free":
         methods = {"start_gather": _reference_start_gather_leaving_it}
@@ -310,9 +310,9 @@ def _graded(cls, grade):
 
 
 def _check_scaffold(opt):
-    if not isinstance(getattr(opt, "_secondary", None), list) or len(opt._secondary) != len(opt.buckets) or \
+    if not isinstance(getattr(opt, "secondary", None), list) or len(opt.secondary) != len(opt.buckets) or \
             not isinstance(getattr(opt, "node", None), dist.ProcessGroup):
-        raise AssertionError("keep the scaffold's __init__: self.node (this rank's node group) and self._secondary "
+        raise AssertionError("keep the scaffold's __init__: self.node (this rank's node group) and self.secondary "
                              "(one entry per bucket, None or (secondary, node))")
 
 
@@ -352,7 +352,7 @@ def _check_secondaries(opt, node_size, group, step, name_of):
     world = dist.get_world_size(group)
     kept = 0
     for bi, bucket in enumerate(opt.buckets):
-        mine = _secondary_tensor(opt._secondary[bi])
+        mine = _secondary_tensor(opt.secondary[bi])
         full = torch.empty(bucket.padded_numel)
         all_gather(full, opt.flat_params[bi].detach().clone(), group=group)  # the check's own collective
         if mine is None:
@@ -427,8 +427,8 @@ def _hpz_numerics_case(rank, _launched, cls, model_name, units, node_size, steps
     place, group = _job_group(group_ranks)
     if place is None:
         return None
-    with refusing((zeropp.ReshardZeRO3Adam, "_keep_secondary", _USED.format("ReshardZeRO3Adam._keep_secondary"))):
-        mine, names, kept = _hpz_run(_graded(cls, "_keep_secondary"), model_name, units, group, node_size, steps,
+    with refusing((zeropp.ReshardZeRO3Adam, "keep_secondary", _USED.format("ReshardZeRO3Adam.keep_secondary"))):
+        mine, names, kept = _hpz_run(_graded(cls, "keep_secondary"), model_name, units, group, node_size, steps,
                                      place, world_size, check=True)
     zero3, _, _ = _hpz_run(ZeRO3Adam, model_name, units, group, None, steps, place, world_size)
     _against_zero3(mine, zero3, names, ". The unit gathered from the secondary shards must be the unit forward used")
@@ -445,7 +445,7 @@ def _hpz_numerics_case(rank, _launched, cls, model_name, units, node_size, steps
 
 def check_hpz_numerics(cls, world_size=4, node_size=2, model="nested", units=None, steps=3, group_ranks=None,
                        timeout=60.0):
-    """Your _keep_secondary, with zerokit's start_gather and free(): right after each forward,
+    """Your keep_secondary, with zerokit's start_gather and free(): right after each forward,
     each secondary shard kept is this rank's 1/k of its unit, a copy; each rank on its own data,
     `steps` steps, the loss, this rank's gradient shards and every weight equal zerokit.ZeRO3Adam's
     in the same ranks bit for bit (hpZ changes where backward's weights come from, not what they
@@ -461,7 +461,7 @@ def check_hpz_numerics(cls, world_size=4, node_size=2, model="nested", units=Non
     how = "" if units is None else f", units={units!r}"
     shards = (f"{kept} secondary shards kept after the {steps} forwards, each this rank's 1/{node_size} of its unit, "
               "a copy" if kept else "no secondary shard kept (the memory test measures what is kept)")
-    passed(f"your _keep_secondary (with zerokit's start_gather and free()) on {world_size} ranks as nodes "
+    passed(f"your keep_secondary (with zerokit's start_gather and free()) on {world_size} ranks as nodes "
            f"{_layout(world_size, node_size, group_ranks)} ({model}{how}, {buckets} units): {shards}; bit for bit "
            f"zerokit.ZeRO3Adam (losses, gradient shards, weights) after each of {steps} steps, and torch.optim.AdamW "
            "on one process within rounding")
@@ -511,7 +511,7 @@ def _groups(calls):
 
 def check_hpz_traffic(cls, world_size=4, node_size=2, model="nested", units=None, steps=2, group_ranks=None,
                       timeout=60.0):
-    """Your start_gather, with zerokit's _keep_secondary and free(), each phase of a step counted:
+    """Your start_gather, with zerokit's keep_secondary and free(), each phase of a step counted:
     forward's all-gathers span the nodes and move every unit once (4Ψ bytes in fp32, as ZeRO-3's),
     backward's all-gather every unit once inside its node (4Ψ) and nothing across, the gradients'
     reduce-scatters span the nodes (4Ψ); the losses and gradient shards bit for bit ZeRO-3's. A
@@ -563,7 +563,7 @@ def check_hpz_traffic(cls, world_size=4, node_size=2, model="nested", units=None
             raise CheckFailed(f"rank {rank}, {r['values']}")
     r = next(r for r in res if r is not None)
     total = 4 * sum(r["padded"])
-    passed(f"your start_gather (with zerokit's _keep_secondary and free()) on {world_size} ranks as nodes {layout} "
+    passed(f"your start_gather (with zerokit's keep_secondary and free()) on {world_size} ranks as nodes {layout} "
            f"({model}), each of {steps} steps, per rank: forward all-gathers {total} bytes (4Ψ), all of them across "
            f"nodes; backward all-gathers {total} inside the node and 0 across; reduce-scatters {total} across; losses "
            "and gradient shards bit for bit zerokit.ZeRO3Adam's")
@@ -585,10 +585,10 @@ def _alive(settled=False):
 def _kept(opt):
     """After forward: (secondary shards kept, of them views with no bytes, of them not P/k
     elements), or None for ZeRO-3."""
-    if not isinstance(getattr(opt, "_secondary", None), list):
+    if not isinstance(getattr(opt, "secondary", None), list):
         return None
     k = dist.get_world_size(opt.node)
-    pieces = [(t, b.padded_numel // k) for t, b in zip(map(_secondary_tensor, opt._secondary), opt.buckets)
+    pieces = [(t, b.padded_numel // k) for t, b in zip(map(_secondary_tensor, opt.secondary), opt.buckets)
               if t is not None]
     return (len(pieces), sum(1 for t, _ in pieces if t.numel() and not _has_bytes(t)),
             sum(1 for t, piece in pieces if t.numel() != piece))
@@ -634,7 +634,7 @@ def _hpz_memory_case(rank, _launched, cls, model_name, units, node_size, steps, 
 
 def check_hpz_memory(cls, world_size=4, node_size=2, model="nested", units=None, steps=2, group_ranks=None,
                      timeout=60.0):
-    """Your _keep_secondary and free(), with zerokit's start_gather (one that leaves the secondary
+    """Your keep_secondary and free(), with zerokit's start_gather (one that leaves the secondary
     shard where it is: your free() drops it), every live tensor of the process counted
     (zerokit.census), beside zerokit.ZeRO3Adam's run on the same data in the same process: between
     forward and backward your ranks hold what ZeRO-3 holds, plus a secondary shard of every unit,
@@ -680,7 +680,7 @@ def check_hpz_memory(cls, world_size=4, node_size=2, model="nested", units=None,
     r = next(r for r in res if r is not None)
     total = 4 * sum(r["padded"])
     n = world_size
-    passed(f"your _keep_secondary and free() (with zerokit's start_gather) on {world_size} ranks as nodes "
+    passed(f"your keep_secondary and free() (with zerokit's start_gather) on {world_size} ranks as nodes "
            f"{_layout(world_size, node_size, group_ranks)} ({model}, 4Ψ = {total} bytes): between forward and backward "
            f"the shards and the secondary shards, 4Ψ/N + 4Ψ/k = {total // n} + {total // node_size} bytes of "
            "parameters per rank; after backward, and after an eval forward under torch.no_grad(), exactly ZeRO-3's")
