@@ -37,7 +37,7 @@ from .harness import CheckFailed, run_on_ranks
 
 __all__ = ["SITUATIONS", "check_class", "refusing", "adamw_reference", "global_batch", "rank_batch", "batch_backward", "trainable", "psi_of",
            "snapshot", "gather_object", "bucket_label", "state_shard", "assert_changed", "optimizer_held_bytes", "assert_adam_shards", "alias", "renamed_args",
-           "try_stretch", "LazyWork", "lazy_transfers"]
+           "try_stretch", "LazyWork", "lazy_transfers", "census_after_gloo_lets_go"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -316,7 +316,7 @@ def _held_by_cxx_alone(entry):
     return True
 
 
-def _census_after_gloo_lets_go(exclude, patience=0.5):
+def census_after_gloo_lets_go(exclude, patience=0.5):
     """_live_tensors(), taken again (every 10 ms, for up to `patience` s) while a tensor not in
     `exclude` is held by C++ alone. gloo's worker thread lets go of a finished collective's tensors
     a moment after wait() has returned, and on a busy machine that moment can outlast the census:
@@ -349,7 +349,7 @@ def optimizer_held_bytes(model, run_steps):
         exclude.add((p.device.type, p.untyped_storage().data_ptr()))
         if p.grad is not None:
             exclude.add((p.grad.device.type, p.grad.untyped_storage().data_ptr()))
-    after = _census_after_gloo_lets_go(exclude)
+    after = census_after_gloo_lets_go(exclude)
     held = sorted(((nbytes, t.numel()) for k, (nbytes, t, _) in after.items() if k not in exclude), reverse=True)
     del keep, before, after
     return sum(n for n, _ in held), held

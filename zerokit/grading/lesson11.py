@@ -54,14 +54,14 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import zeropp
-from ..comm import _C10D, CommCounter, _process_group, all_gather, group_ranks
+from ..comm import C10D_COLLECTIVES, CommCounter, all_gather, group_ranks, process_group_of
 from ..memory import census
 from ..models import build_model, model_batch, model_loss
 from ..reference import rank_slice
 from ..zero3 import ZeRO3Adam
 from .compare import assert_close
 from .harness import CheckFailed, passed, run_on_ranks
-from .kit import _census_after_gloo_lets_go, adamw_reference, check_class, global_batch, refusing
+from .kit import adamw_reference, census_after_gloo_lets_go, check_class, global_batch, refusing
 
 __all__ = ["check_hpz_numerics", "check_hpz_traffic", "check_hpz_memory", "check_quantize", "check_qwz_gather",
            "check_qwz_training"]
@@ -237,7 +237,7 @@ class _GatherGuard(TorchDispatchMode):
                     "full (self.full[bi]) or its gather on its way (bi in self.gathering), start_gather must "
                     "start nothing: hand it to ZeRO-3's (super().start_gather(bi)), which returns at once")
             out, inp = args[0], args[1]
-            group = _process_group(args)
+            group = process_group_of(args)
             size = group.size() if group is not None else dist.get_world_size()
             out_n = sum(t.numel() for t in (out if isinstance(out, (list, tuple)) else [out]))
             inp_n = sum(t.numel() for t in (inp if isinstance(inp, (list, tuple)) else [inp]))
@@ -577,7 +577,7 @@ def _alive(settled=False):
     """Bytes of every live tensor of the process. settled: once gloo's threads have let go of the
     buffers of finished transfers (kit), where no autograd graph holds tensors from C++ meanwhile."""
     if settled:
-        return sum(nbytes for nbytes, _, _ in _census_after_gloo_lets_go(set()).values())
+        return sum(nbytes for nbytes, _, _ in census_after_gloo_lets_go(set()).values())
     gc.collect()
     return census()["total"]
 
@@ -887,8 +887,8 @@ class _OnTheGroup(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.__name__.split(".")[0]
-        if func.namespace == "c10d" and name in _C10D:
-            group = _process_group(args)
+        if func.namespace == "c10d" and name in C10D_COLLECTIVES:
+            group = process_group_of(args)
             ranks = group_ranks(group)
             if ranks is not None and ranks != self.ranks:
                 raise AssertionError(
