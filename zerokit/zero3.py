@@ -159,7 +159,7 @@ class ShardedParameters(ZeRO2Adam):
                          precision=precision, offload=offload, foreach=foreach)
         self.bucket_units = [self._unit_of[b.params[0]] for b in self.buckets]  # bucket -> the index of its unit
         self.buckets_of_unit = [[bi for bi, v in enumerate(self.bucket_units) if v == u]
-                                 for u in range(len(self.units))]
+                                for u in range(len(self.units))]
         self.full = [None] * len(self.buckets)  # bucket -> the gathered flat buffer, while in use
         self.gathering = {}  # bucket -> (work, full buffer, shard): an all-gather in flight
         self._gather_buffers = [None] * len(self.buckets)  # bucket -> its full-size buffer (see gather_buffer)
