@@ -117,11 +117,11 @@ class Lesson05Hooks(zerokit.ZeRO3Adam):
     treated as a forward (gather with forward prefetch; free after)."""
 
     def _pre_recompute(self, u):
-        self._gather_unit(u, prefetch_next=self._next_in_forward(u))
+        self.gather_unit(u, prefetch_next=self.next_in_forward(u))
 
     def _post_recompute(self, u):
-        for bi in self._buckets_of_unit[u]:
-            self._free(bi)
+        for bi in self.buckets_of_unit[u]:
+            self.free(bi)
 
 
 def _reference():
@@ -136,7 +136,7 @@ def _train(rank, world_size, cls, units, early_stop):
     worst = {"full_after_sent": [], "full_in_backward": 0}
 
     def on_grad(_param):  # after the optimizer's own hooks: what has been sent is sent
-        full = [bi for bi in range(len(buckets)) if opt._full[bi] is not None or bi in opt._gathering]
+        full = [bi for bi in range(len(buckets)) if opt.full[bi] is not None or bi in opt.gathering]
         worst["full_in_backward"] = max(worst["full_in_backward"], len(full))
         worst["full_after_sent"] += [bi for bi in full if bi < opt._next]
 

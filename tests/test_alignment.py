@@ -94,13 +94,13 @@ class RecordingAdamW(torch.optim.AdamW):
 
 def _spy_gathers(opt, seen):
     """ZeRO-3: note every parameter a gather installs (forward, backward, prefetch)."""
-    finish = opt._finish_gather
+    finish = opt.finish_gather
 
     def spied(bi):
         finish(bi)
         seen.add("a gathered parameter", *opt.buckets[bi].params)
 
-    opt._finish_gather = spied
+    opt.finish_gather = spied
 
 
 def _spy_bucket_views(buckets, seen):

@@ -15,9 +15,9 @@ def test_the_diagram_names_every_state_and_what_moves_the_buffer(tmp_path):
     texts = " ".join(t.get_text() for ax in fig.axes for t in ax.texts)
     for state in ("shard only", "gathering", "full", "freed"):
         assert state in texts, state
-    for method in ("_start_gather", "_finish_gather", "_free", "_gather_buffer"):
+    for method in ("start_gather", "finish_gather", "free", "gather_buffer"):
         assert method in texts, method
-    for hook in ("_pre_forward", "_pre_backward", "_post_forward", "_send", "_end_of_backward"):
+    for hook in ("pre_forward", "pre_backward", "post_forward", "send", "_end_of_backward"):
         assert hook in texts, hook
     assert "nobody used" in texts  # the edge gathering -> freed: the buffer is released there too
     assert "resize_(0)" in texts

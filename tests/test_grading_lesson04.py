@@ -44,7 +44,7 @@ class KeepsFullGradient(Solution):
     """Sends on time but never frees .grad: the full gradient outlives backward."""
 
     @torch.no_grad()
-    def _send(self, bi):
+    def send(self, bi):
         bucket = self.buckets[bi]
         flat = bucket.flatten([p.grad for p in bucket.params])
         out = torch.empty(bucket.shard_numel)
@@ -71,7 +71,7 @@ class AllReduceKeepSlice(Solution):
     view = False
 
     @torch.no_grad()
-    def _send(self, bi):
+    def send(self, bi):
         bucket = self.buckets[bi]
         flat = bucket.flatten([p.grad for p in bucket.params])
         for p in bucket.params:
@@ -83,7 +83,7 @@ class AllReduceKeepSlice(Solution):
     @torch.no_grad()
     def _end_of_backward(self):
         while self._next < len(self.buckets):
-            self._send(self._next)
+            self.send(self._next)
         for work, bi, _, flat in self._in_flight:
             work.wait()
             flat.div_(self.world_size)
@@ -103,7 +103,7 @@ class ReduceToRankZero(Solution):
     gradient and all traffic funnels through it."""
 
     @torch.no_grad()
-    def _send(self, bi):
+    def send(self, bi):
         bucket = self.buckets[bi]
         flat = bucket.flatten([p.grad for p in bucket.params])
         for p in bucket.params:
@@ -140,7 +140,7 @@ class SendsWhenFull(Solution):
 
     @torch.no_grad()
     def _send_any(self, bi):
-        self._send(bi)
+        self.send(bi)
         self._sent.add(bi)
 
     @torch.no_grad()
@@ -169,7 +169,7 @@ class OverwritesShards(Solution):
     @torch.no_grad()
     def _end_of_backward(self):
         while self._next < len(self.buckets):
-            self._send(self._next)
+            self.send(self._next)
         for work, bi, out, _ in self._in_flight:
             work.wait()
             self.grad_shards[bi] = out
@@ -179,7 +179,7 @@ class SumNotMean(Solution):
     """Reduce-scatter with SUM: the gradient is N times too large (Adam hides most of it)."""
 
     @torch.no_grad()
-    def _send(self, bi):
+    def send(self, bi):
         bucket = self.buckets[bi]
         flat = bucket.flatten([p.grad for p in bucket.params])
         for p in bucket.params:
@@ -198,15 +198,15 @@ class IfNotWhile(Solution):
         bi, _ = self._where[param]
         self._ready[bi] += 1
         if self._next < len(self.buckets) and self._ready[self._next] == len(self.buckets[self._next].params):
-            self._send(self._next)
+            self.send(self._next)
 
 
 class WaitsInSend(Solution):
-    """Waits for each reduce-scatter inside _send: right numbers, no overlap with backward."""
+    """Waits for each reduce-scatter inside send(): right numbers, no overlap with backward."""
 
     @torch.no_grad()
-    def _send(self, bi):
-        super()._send(bi)
+    def send(self, bi):
+        super().send(bi)
         self._in_flight[-1][0].wait()
 
 
@@ -214,7 +214,7 @@ class BlockingSend(Solution):
     """The reduce-scatter called blocking (async_op=False), a finished stand-in kept as its work."""
 
     @torch.no_grad()
-    def _send(self, bi):
+    def send(self, bi):
         bucket = self.buckets[bi]
         flat = bucket.flatten([p.grad for p in bucket.params])
         for p in bucket.params:
@@ -229,7 +229,7 @@ class DefaultGroup(Solution):
     """Reduce-scatters on the default group instead of self.group: right only while they are the same."""
 
     @torch.no_grad()
-    def _send(self, bi):
+    def send(self, bi):
         bucket = self.buckets[bi]
         flat = bucket.flatten([p.grad for p in bucket.params])
         for p in bucket.params:
@@ -241,16 +241,16 @@ class DefaultGroup(Solution):
 
 
 class CapsOneInFlight(Solution):
-    """Not a bug: at most one transfer in flight, so the next _send first waits for the previous one
+    """Not a bug: at most one transfer in flight, so the next send first waits for the previous one
     (section 8's cap, at 1). Each transfer still overlaps the backward up to the next send."""
 
     @torch.no_grad()
-    def _send(self, bi):
+    def send(self, bi):
         while self._in_flight:
             work, b, out, _flat = self._in_flight.pop(0)
             work.wait()
             self.grad_shards[b] = out if self.grad_shards[b] is None else self.grad_shards[b] + out
-        super()._send(bi)
+        super().send(bi)
 
 
 class SubclassesZeRO2(zerokit.ZeRO2Adam):
@@ -258,7 +258,7 @@ class SubclassesZeRO2(zerokit.ZeRO2Adam):
 
 
 class BorrowsSend(Solution):
-    _send = zerokit.ZeRO2Adam._send
+    send = zerokit.ZeRO2Adam.send
 
 
 # ---------------------------------------------------------------------------------------
@@ -306,7 +306,7 @@ BUGS = {
     NoFlush: {"unused_parameters": "after the step differs"},  # the last buckets never sent: stale weights
     OverwritesShards: {"accumulation": "must be added to grad_shards"},
     SumNotMean: {"numerics": "the mean over ranks, not the sum"},
-    WaitsInSend: {"traffic": "was waited for inside _send"},
+    WaitsInSend: {"traffic": "was waited for inside send()"},
 }
 # Adam is nearly blind to the scale of the gradient, but not quite (eps): the weights that
 # unused_parameters and accumulation compare may drift past their tolerance too
@@ -323,7 +323,7 @@ def test_untouched_student_notebook_fails_every_check():
 
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("cls, fragment", [(SubclassesZeRO2, "subclasses zerokit.ZeRO2Adam"),
-                                           (BorrowsSend, "is zerokit.ZeRO2Adam._send")])
+                                           (BorrowsSend, "is zerokit.ZeRO2Adam.send")])
 def test_zerokit_zero2_under_another_name_fails_every_check(cls, fragment, capsys):
     for name, check in VISIBLE.items():
         reason = outcome(check, cls, capsys)
@@ -360,7 +360,7 @@ def test_the_bucket_order_rule_is_told_only_where_the_gradient_shards_point_at_i
 ], ids=["IfNotWhile", "BlockingSend", "DefaultGroup"])
 def test_the_hidden_traffic_check_catches_what_only_its_fixture_shows(bug, fragment, capsys):
     """Out-of-order gradients (a bucket completed behind the head) and a subgroup are in the hidden
-    configuration only; a blocking call is the wait in _send by another name."""
+    configuration only; a blocking call is the wait in send by another name."""
     reason = outcome(HIDDEN_TRAFFIC, bug, capsys, timeout=SHORT_TIMEOUT)
     assert reason is not None and fragment in reason.splitlines()[0], reason
 
@@ -369,7 +369,7 @@ def test_the_hidden_traffic_check_catches_what_only_its_fixture_shows(bug, fragm
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("cls", [Solution, CapsOneInFlight], ids=lambda c: c.__name__)
 def test_the_hidden_traffic_check_passes_the_solution_and_a_cap_on_transfers_in_flight(cls, capsys):
-    """A cap waits for an earlier transfer inside the next _send: not the wait the check refuses."""
+    """A cap waits for an earlier transfer inside the next send: not the wait the check refuses."""
     assert outcome(HIDDEN_TRAFFIC, cls, capsys, timeout=SHORT_TIMEOUT) is None
 
 

@@ -68,72 +68,72 @@ class _Done:
 
 
 class SyncGather(Sharded):
-    """_start_gather waits for the all-gather and installs the parameters: no overlap."""
+    """start_gather waits for the all-gather and installs the parameters: no overlap."""
 
-    def _start_gather(self, bi):
-        if self._full[bi] is not None or bi in self._gathering:
+    def start_gather(self, bi):
+        if self.full[bi] is not None or bi in self.gathering:
             return
         full = torch.empty(self.buckets[bi].padded_numel)
         all_gather(full, self.flat_params[bi], group=self.group)
         with torch.no_grad():
             for p, view in zip(self.buckets[bi].params, self.buckets[bi].views(full)):
                 p.data = view
-        self._full[bi] = full
+        self.full[bi] = full
 
 
 class GathersTwice(Sharded):
-    """_finish_gather starts a fresh all-gather even when a prefetch is in flight."""
+    """finish_gather starts a fresh all-gather even when a prefetch is in flight."""
 
     @torch.no_grad()
-    def _finish_gather(self, bi):
-        if self._full[bi] is not None:
+    def finish_gather(self, bi):
+        if self.full[bi] is not None:
             return
-        self._free(bi)  # drops the prefetch (after waiting for it) ...
-        self._start_gather(bi)  # ... and gathers again
-        work, full, _ = self._gathering.pop(bi)
+        self.free(bi)  # drops the prefetch (after waiting for it) ...
+        self.start_gather(bi)  # ... and gathers again
+        work, full, _ = self.gathering.pop(bi)
         work.wait()
         for p, view in zip(self.buckets[bi].params, self.buckets[bi].views(full)):
             p.data = view
-        self._full[bi] = full
+        self.full[bi] = full
 
 
 class NoWait(Sharded):
-    """_finish_gather installs the views without waiting for the all-gather: on gloo and a small
+    """finish_gather installs the views without waiting for the all-gather: on gloo and a small
     buffer the data is usually there already; on a real network the weights are half written."""
 
     @torch.no_grad()
-    def _finish_gather(self, bi):
-        self._start_gather(bi)
-        if bi in self._gathering:
-            work, full, _shard = self._gathering.pop(bi)  # BUG: no work.wait()
+    def finish_gather(self, bi):
+        self.start_gather(bi)
+        if bi in self.gathering:
+            work, full, _shard = self.gathering.pop(bi)  # BUG: no work.wait()
             for p, view in zip(self.buckets[bi].params, self.buckets[bi].views(full)):
                 p.data = view
-            self._full[bi] = full
+            self.full[bi] = full
 
 
 class FreeKeepsBuffer(Sharded):
-    """_free empties the parameters but keeps the gathered buffer in self._full."""
+    """free empties the parameters but keeps the gathered buffer in self.full."""
 
     @torch.no_grad()
-    def _free(self, bi):
-        if bi in self._gathering:
-            self._gathering.pop(bi)[0].wait()
+    def free(self, bi):
+        if bi in self.gathering:
+            self.gathering.pop(bi)[0].wait()
         for p in self.buckets[bi].params:
             p.data = torch.empty(0)
 
 
 class DropsReferencesOnly(Sharded):
-    """_free drops every reference to the buffer but does not release its memory: autograd's
+    """free() drops every reference to the buffer but does not release its memory: autograd's
     saved views of the weights keep the whole unit alive from forward to backward."""
 
     @torch.no_grad()
-    def _free(self, bi):
-        if bi in self._gathering:
-            self._gathering.pop(bi)[0].wait()
-        if self._full[bi] is not None:
+    def free(self, bi):
+        if bi in self.gathering:
+            self.gathering.pop(bi)[0].wait()
+        if self.full[bi] is not None:
             for p in self.buckets[bi].params:
                 p.data = torch.empty(0)
-            self._full[bi] = None
+            self.full[bi] = None
             self._gather_buffers[bi] = None  # a fresh buffer next time
 
 
@@ -141,66 +141,66 @@ class FreshBuffer(Sharded):
     """Releases the memory in place, but gathers into a new tensor every time: the views
     autograd saved in forward are left on the released storage, and backward fails."""
 
-    def _gather_buffer(self, bi, shard):
+    def gather_buffer(self, bi, shard):
         return torch.empty(self.buckets[bi].padded_numel, dtype=shard.dtype)
 
 
 class KeepsUnusedPrefetch(Sharded):
-    """_free waits for a prefetch nobody used and forgets it, but leaves its buffer's memory
+    """free() waits for a prefetch nobody used and forgets it, but leaves its buffer's memory
     allocated (the text once read that way): a unit skipped by a data-dependent branch keeps
     a full-size buffer alive between steps."""
 
     @torch.no_grad()
-    def _free(self, bi):
-        if bi in self._gathering:
-            self._gathering.pop(bi)[0].wait()  # BUG: no resize_(0) of the prefetch's buffer
-        if self._full[bi] is not None:
+    def free(self, bi):
+        if bi in self.gathering:
+            self.gathering.pop(bi)[0].wait()  # BUG: no resize_(0) of the prefetch's buffer
+        if self.full[bi] is not None:
             for p in self.buckets[bi].params:
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-            self._full[bi].untyped_storage().resize_(0)
-            self._full[bi] = None
+            self.full[bi].untyped_storage().resize_(0)
+            self.full[bi] = None
 
 
 class GatherWithoutGroup(Sharded):
     """The all-gather issued without group=: it runs on the default group, right only while
     the optimizer's group is every rank (on a subgroup: other ranks' shards, or a crash)."""
 
-    def _start_gather(self, bi):
-        if self._full[bi] is not None or bi in self._gathering:
+    def start_gather(self, bi):
+        if self.full[bi] is not None or bi in self.gathering:
             return
         shard = self.flat_params[bi]
-        full = self._gather_buffer(bi, shard)
+        full = self.gather_buffer(bi, shard)
         work = all_gather(full, shard, async_op=True)  # BUG: no group=self.group
-        self._gathering[bi] = (work, full, shard)
+        self.gathering[bi] = (work, full, shard)
 
 
 class FreesInFlightWithoutWait(Sharded):
-    """_free releases the buffer of a prefetch nobody used without waiting for its all-gather,
+    """free() releases the buffer of a prefetch nobody used without waiting for its all-gather,
     which may still be writing into that memory (hint 2's pitfall)."""
 
     @torch.no_grad()
-    def _free(self, bi):
-        if bi in self._gathering:
-            _work, full, _shard = self._gathering.pop(bi)  # BUG: no work.wait() before releasing
+    def free(self, bi):
+        if bi in self.gathering:
+            _work, full, _shard = self.gathering.pop(bi)  # BUG: no work.wait() before releasing
             full.untyped_storage().resize_(0)
-        if self._full[bi] is not None:
+        if self.full[bi] is not None:
             for p in self.buckets[bi].params:
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-            self._full[bi].untyped_storage().resize_(0)
-            self._full[bi] = None
+            self.full[bi].untyped_storage().resize_(0)
+            self.full[bi] = None
 
 
 class StashesFullCopy(Sharded):
-    """_free keeps a copy of the gathered weights "for later": the parameters look sharded,
+    """free() keeps a copy of the gathered weights "for later": the parameters look sharded,
     a full copy lives on."""
 
     @torch.no_grad()
-    def _free(self, bi):
+    def free(self, bi):
         if not hasattr(self, "_kept"):
             self._kept = {}
-        if self._full[bi] is not None:
-            self._kept[bi] = self._full[bi].clone()
-        super()._free(bi)
+        if self.full[bi] is not None:
+            self._kept[bi] = self.full[bi].clone()
+        super().free(bi)
 
 
 # ---------------------------------------------------------------------------------------
@@ -211,87 +211,87 @@ class NeverFrees(Solution):
     """Gathers each unit and never frees it during the step (only the scaffold's end of
     backward does): right numbers, ZeRO-2's memory inside the step."""
 
-    def _post_forward(self, u, module, args, output):
+    def post_forward(self, u, module, args, output):
         if torch.is_grad_enabled():
             register = torch.autograd.graph.register_multi_grad_hook
             tensors = [t for t in torch.utils._pytree.tree_flatten(output)[0]
                        if isinstance(t, torch.Tensor) and t.requires_grad]
             if tensors:
-                register(tensors, lambda grad, u=u: self._pre_backward(u, grad), mode="any")
+                register(tensors, lambda grad, u=u: self.pre_backward(u, grad), mode="any")
 
-    def _send(self, bi):
-        zerokit.ZeRO2Adam._send(self, bi)
+    def send(self, bi):
+        zerokit.ZeRO2Adam.send(self, bi)
 
 
 class KeepsUntilEndOfBackward(Solution):
     """Frees after forward, but in backward keeps every unit until the end of backward."""
 
-    def _send(self, bi):
-        zerokit.ZeRO2Adam._send(self, bi)
+    def send(self, bi):
+        zerokit.ZeRO2Adam.send(self, bi)
 
 
 class NoRegather(Solution):
     """Frees after forward and never gathers again for backward (no multi-grad hook)."""
 
-    def _post_forward(self, u, module, args, output):
+    def post_forward(self, u, module, args, output):
         if u != 0 or not torch.is_grad_enabled():
-            for bi in self._buckets_of_unit[u]:
-                self._free(bi)
+            for bi in self.buckets_of_unit[u]:
+                self.free(bi)
 
 
 class KeepsCopies(Solution):
     """Frees the parameters, but keeps a full copy of every unit "just in case": right
     numbers, right collectives, and a full copy of the model alive at rest."""
 
-    def _post_forward(self, u, module, args, output):
+    def post_forward(self, u, module, args, output):
         if not hasattr(self, "_copies"):
             self._copies = {}
-        self._copies[u] = [p.detach().clone() for bi in self._buckets_of_unit[u] for p in self.buckets[bi].params]
-        super()._post_forward(u, module, args, output)
+        self._copies[u] = [p.detach().clone() for bi in self.buckets_of_unit[u] for p in self.buckets[bi].params]
+        super().post_forward(u, module, args, output)
 
 
 class RootKeptAfterEval(Solution):
     """Keeps the root gathered after its forward even under torch.no_grad(): no backward
     follows an evaluation, so the root (an LLM's tied embedding) stays full at rest."""
 
-    def _post_forward(self, u, module, args, output):
+    def post_forward(self, u, module, args, output):
         if torch.is_grad_enabled():
             tensors = [t for t in torch.utils._pytree.tree_flatten(output)[0]
                        if isinstance(t, torch.Tensor) and t.requires_grad]
             if tensors:
-                torch.autograd.graph.register_multi_grad_hook(tensors, lambda grad, u=u: self._pre_backward(u, grad),
+                torch.autograd.graph.register_multi_grad_hook(tensors, lambda grad, u=u: self.pre_backward(u, grad),
                                                               mode="any")
         if u != 0:  # BUG: the root is kept for a backward even when none will come
-            for bi in self._buckets_of_unit[u]:
-                self._free(bi)
+            for bi in self.buckets_of_unit[u]:
+                self.free(bi)
 
 
 class OneTensorOutput(Solution):
     """Hooks the unit's output as if it were one tensor: a unit returning a tuple (as
     nn.MultiheadAttention does) or a dict breaks the forward hook."""
 
-    def _post_forward(self, u, module, args, output):
+    def post_forward(self, u, module, args, output):
         backward_coming = torch.is_grad_enabled()
         if backward_coming and output.requires_grad:  # BUG: output may be a tuple or a dict
-            output.register_hook(lambda grad, u=u: self._pre_backward(u, grad))
+            output.register_hook(lambda grad, u=u: self.pre_backward(u, grad))
         if u != 0 or not backward_coming:
-            for bi in self._buckets_of_unit[u]:
-                self._free(bi)
+            for bi in self.buckets_of_unit[u]:
+                self.free(bi)
 
 
 class FreesRootAfterForward(Solution):
     """Frees every unit after its forward, the root too: its backward gathers it again, one
     extra all-gather of the root (an LLM's tied embedding) every step."""
 
-    def _post_forward(self, u, module, args, output):
+    def post_forward(self, u, module, args, output):
         if torch.is_grad_enabled():
             tensors = [t for t in torch.utils._pytree.tree_flatten(output)[0]
                        if isinstance(t, torch.Tensor) and t.requires_grad]
             if tensors:
-                torch.autograd.graph.register_multi_grad_hook(tensors, lambda grad, u=u: self._pre_backward(u, grad),
+                torch.autograd.graph.register_multi_grad_hook(tensors, lambda grad, u=u: self.pre_backward(u, grad),
                                                               mode="any")
-        for bi in self._buckets_of_unit[u]:  # BUG: the root too
-            self._free(bi)
+        for bi in self.buckets_of_unit[u]:  # BUG: the root too
+            self.free(bi)
 
 
 class ModeAllHook(Solution):
@@ -299,39 +299,39 @@ class ModeAllHook(Solution):
     but autograd goes into a unit with several outputs (mix returns a dict) at the first one,
     and its weights are still empty there."""
 
-    def _post_forward(self, u, module, args, output):
+    def post_forward(self, u, module, args, output):
         backward_coming = torch.is_grad_enabled()
         if backward_coming:
             tensors = [t for t in torch.utils._pytree.tree_flatten(output)[0]
                        if isinstance(t, torch.Tensor) and t.requires_grad]
             if tensors:
                 torch.autograd.graph.register_multi_grad_hook(
-                    tensors, lambda grads, u=u: self._pre_backward(u, grads), mode="all")  # BUG: "any"
+                    tensors, lambda grads, u=u: self.pre_backward(u, grads), mode="all")  # BUG: "any"
         if u != 0 or not backward_coming:
-            for bi in self._buckets_of_unit[u]:
-                self._free(bi)
+            for bi in self.buckets_of_unit[u]:
+                self.free(bi)
 
 
 class WaitsBeforePrefetch(Solution):
     """Waits for u's transfer, then starts the next unit's: the next still overlaps u's compute
     (it is gathered ahead of its turn), but not the wait for u's own transfer."""
 
-    def _gather_unit(self, u, prefetch_next=None):
-        for bi in self._buckets_of_unit[u]:
-            self._start_gather(bi)
-        for bi in self._buckets_of_unit[u]:
-            self._finish_gather(bi)  # BUG: before the next one's _start_gather
+    def gather_unit(self, u, prefetch_next=None):
+        for bi in self.buckets_of_unit[u]:
+            self.start_gather(bi)
+        for bi in self.buckets_of_unit[u]:
+            self.finish_gather(bi)  # BUG: before the next one's start_gather
         if self.prefetch and prefetch_next is not None:
-            for bi in self._buckets_of_unit[prefetch_next]:
-                self._start_gather(bi)
+            for bi in self.buckets_of_unit[prefetch_next]:
+                self.start_gather(bi)
 
 
 class BackwardPrefetchInForwardOrder(Solution):
     """In backward, prefetches the unit that comes next in *forward*: one whose backward is over,
     gathered again for nothing, while the unit whose backward comes next is not prefetched."""
 
-    def _pre_backward(self, u, grad):
-        self._gather_unit(u, prefetch_next=self._next_in_forward(u))  # BUG: _next_in_backward
+    def pre_backward(self, u, grad):
+        self.gather_unit(u, prefetch_next=self.next_in_forward(u))  # BUG: next_in_backward
 
 
 class AllReduceGradients(Solution):
@@ -339,7 +339,7 @@ class AllReduceGradients(Solution):
     gradient not reduce-scattered (twice the traffic)."""
 
     @torch.no_grad()
-    def _send(self, bi):
+    def send(self, bi):
         bucket = self.buckets[bi]
         flat = bucket.flatten([p.grad for p in bucket.params])
         for p in bucket.params:
@@ -348,25 +348,25 @@ class AllReduceGradients(Solution):
         out = bucket.shard(flat).div(self.world_size)
         self._in_flight.append((_Done(), bi, out, flat))
         self._next = bi + 1
-        self._free(bi)
+        self.free(bi)
 
 
 class NoPrefetch(Solution):
     """Never gathers ahead: each unit waits for its own all-gather."""
 
-    def _gather_unit(self, u, prefetch_next=None):
-        for bi in self._buckets_of_unit[u]:
-            self._finish_gather(bi)
+    def gather_unit(self, u, prefetch_next=None):
+        for bi in self.buckets_of_unit[u]:
+            self.finish_gather(bi)
 
 
 class PrefetchAlways(Solution):
     """Prefetches even with prefetch=False."""
 
-    def _gather_unit(self, u, prefetch_next=None):
-        for bi in self._buckets_of_unit[u] + (self._buckets_of_unit[prefetch_next] if prefetch_next is not None else []):
-            self._start_gather(bi)
-        for bi in self._buckets_of_unit[u]:
-            self._finish_gather(bi)
+    def gather_unit(self, u, prefetch_next=None):
+        for bi in self.buckets_of_unit[u] + (self.buckets_of_unit[prefetch_next] if prefetch_next is not None else []):
+            self.start_gather(bi)
+        for bi in self.buckets_of_unit[u]:
+            self.finish_gather(bi)
 
 
 class UsesTorchAdamW(Solution):
@@ -386,11 +386,11 @@ class SubclassesSharded(ShardedParameters):
 
 
 class BorrowsFree(Sharded):
-    _free = zerokit.ZeRO3Adam._free
+    free = zerokit.ZeRO3Adam.free
 
 
 class BorrowsPreForward(Solution):
-    _pre_forward = zerokit.ZeRO3Adam._pre_forward
+    pre_forward = zerokit.ZeRO3Adam.pre_forward
 
 
 # ---------------------------------------------------------------------------------------
@@ -419,7 +419,7 @@ VISIBLE_HOOKS = {
 MECHANICS_BUGS = {
     SyncGather: {"gather_free": "start the all-gather with async_op=True"},
     GathersTwice: {"gather_free": "must not be gathered again"},
-    NoWait: {"gather_free": "_finish_gather(0) of bucket 0"},
+    NoWait: {"gather_free": "finish_gather(0) of bucket 0"},
     FreeKeepsBuffer: {"gather_free": "still holds the gathered buffer"},
     DropsReferencesOnly: {"gather_free": "release it in place"},
     FreshBuffer: {"gather_free": "Gather into the same buffer every time"},
@@ -442,8 +442,8 @@ HOOK_BUGS = {
     FreesRootAfterForward: {"traffic": "freed after its forward and gathered again for backward"},
     WaitsBeforePrefetch: {"traffic": "but not the wait for"},
     # a wrong prefetch target in backward costs memory (a unit gathered again) and the overlap
-    BackwardPrefetchInForwardOrder: {"memory": "(_next_in_backward), not the next one in forward order",
-                                     "traffic": "_next_in_backward"},
+    BackwardPrefetchInForwardOrder: {"memory": "(next_in_backward), not the next one in forward order",
+                                     "traffic": "next_in_backward"},
     # a unit's backward cannot run on empty weights: every check that runs backward fails
     NoRegather: {name: "must be gathered again before that unit's backward" for name in VISIBLE_HOOKS},
     UsesTorchAdamW: {name: "your code called torch.optim.AdamW" for name in VISIBLE_HOOKS},
@@ -464,8 +464,8 @@ def test_untouched_student_notebook_fails_every_check():
     (SubclassesZeRO3, VISIBLE_HOOKS, "subclasses zerokit.ZeRO3Adam"),
     (SubclassesZeRO3, VISIBLE_MECHANICS, "subclasses zerokit.ZeRO3Adam"),
     (SubclassesSharded, VISIBLE_MECHANICS, "subclasses zerokit.zero3.ShardedParameters"),
-    (BorrowsFree, VISIBLE_MECHANICS, "is zerokit.zero3.ShardedParameters._free"),
-    (BorrowsPreForward, VISIBLE_HOOKS, "is zerokit.ZeRO3Adam._pre_forward"),
+    (BorrowsFree, VISIBLE_MECHANICS, "is zerokit.zero3.ShardedParameters.free"),
+    (BorrowsPreForward, VISIBLE_HOOKS, "is zerokit.ZeRO3Adam.pre_forward"),
 ], ids=["subclass-hooks", "subclass-mechanics", "subclass-sharded", "borrows-free", "borrows-pre-forward"])
 def test_zerokit_zero3_under_another_name_fails(cls, checks, fragment, capsys):
     for name, check in checks.items():
@@ -484,7 +484,7 @@ def test_each_mechanics_bug_fails_exactly_its_check(bug, capsys):
 @pytest.mark.timeout(60)
 def test_hooks_are_graded_apart_from_the_mechanics(capsys):
     """Right hooks on top of an unfinished exercise 1 (its stubs raise) earn every hook
-    check: those run MyZeRO3Adam with zerokit's _start_gather, _finish_gather and _free."""
+    check: those run MyZeRO3Adam with zerokit's start_gather, finish_gather and free()."""
     _, hooks = exercise_classes(SOLUTION, sharded=UntouchedSharded)
     fails_exactly(VISIBLE_HOOKS, hooks, {}, capsys, timeout=SHORT_TIMEOUT)
 

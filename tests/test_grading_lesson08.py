@@ -49,23 +49,23 @@ DEFECTS = {
                              "            storages[(s.data_ptr(), tuple(t.shape))] = s.nbytes()",
                              {"saved_views": "counted once per shape"}),
     "recompute_on_freed_parameters": (
-        "hooks", "            self._gather_unit(u)\n            return",
+        "hooks", "            self.gather_unit(u)\n            return",
         "            return  # the pre-backward hook gathered it already?",
-        {"recompute": "_pre_forward must gather it"}),
+        {"recompute": "pre_forward must gather it"}),
     "recompute_prefetches_in_forward_order": (
-        "hooks", "            self._gather_unit(u)\n            return",
-        "            self._gather_unit(u, prefetch_next=self._next_in_forward(u))\n            return",
+        "hooks", "            self.gather_unit(u)\n            return",
+        "            self.gather_unit(u, prefetch_next=self.next_in_forward(u))\n            return",
         {"recompute": "was gathered twice"}),
     "keeps_units_gathered": ("hooks", "        if u != 0 or not backward_coming:", "        if not backward_coming:",
                              {"recompute_memory": "still held its full weights"}),
-    "frees_after_recompute": ("hooks", "        if in_backward():  # keep u for its backward (_send frees it); its "
+    "frees_after_recompute": ("hooks", "        if in_backward():  # keep u for its backward (send frees it); its "
                               "outputs get no gradient\n            return\n", "",
                               {"recompute_traffic": "all-gathered 3 times"}),
-    "double_reduce_scatter": ("hooks", "        if in_backward():  # keep u for its backward (_send frees it); its "
+    "double_reduce_scatter": ("hooks", "        if in_backward():  # keep u for its backward (send frees it); its "
                               "outputs get no gradient\n            return\n",
                               "        if in_backward():  # 'free' it the way backward does\n"
-                              "            for bi in self._buckets_of_unit[u]:\n"
-                              "                self._send(bi)\n            return\n",
+                              "            for bi in self.buckets_of_unit[u]:\n"
+                              "                self.send(bi)\n            return\n",
                               {"recompute_traffic": "was sent 2 times"}),
     "loads_whole_state": ("offload", "    for a in range(0, n, chunk_numel):\n        b = min(a + chunk_numel, n)",
                           "    for a in range(0, n, n):  # one chunk: everything\n        b = n",
@@ -88,13 +88,13 @@ DEFECTS = {
 # memory check runs awkward, whose root owns the tied embedding (hidden configurations below)
 ROOT_DEFECTS = {
     "frees_root_in_recompute": (
-        "        if in_backward():  # keep u for its backward (_send frees it); its outputs get no gradient\n"
+        "        if in_backward():  # keep u for its backward (send frees it); its outputs get no gradient\n"
         "            return\n",
         "        if in_backward():  # the root is not needed by the recomputed block\n"
-        "            for bi in self._buckets_of_unit[0]:\n                self._free(bi)\n            return\n",
-        "your _post_forward had freed the root unit's embed.weight"),
+        "            for bi in self.buckets_of_unit[0]:\n                self.free(bi)\n            return\n",
+        "your post_forward had freed the root unit's embed.weight"),
     "frees_root_after_forward": ("        if u != 0 or not backward_coming:", "        if True:",
-                                 "your _post_forward freed the root unit's embed.weight although backward comes"),
+                                 "your post_forward freed the root unit's embed.weight although backward comes"),
     "keeps_root_after_eval": ("        if u != 0 or not backward_coming:", "        if u != 0:",
                               "after an eval forward under torch.no_grad(), embed.weight is still full"),
 }
@@ -181,13 +181,13 @@ def test_zerokit_under_another_name_is_refused(capsys):
     import zerokit
 
     class Borrowed(zerokit.ZeRO3Adam):
-        _pre_forward = zerokit.ZeRO3Adam._pre_forward
+        pre_forward = zerokit.ZeRO3Adam.pre_forward
 
-        def _post_forward(self, u, module, args, output):
-            return super()._post_forward(u, module, args, output)
+        def post_forward(self, u, module, args, output):
+            return super().post_forward(u, module, args, output)
 
     for check in HOOKS.values():
-        with pytest.raises(AssertionError, match="is zerokit.ZeRO3Adam._pre_forward"):
+        with pytest.raises(AssertionError, match="is zerokit.ZeRO3Adam.pre_forward"):
             check(Borrowed)
 
 
@@ -197,11 +197,11 @@ def test_hooks_that_hand_the_recomputation_to_zerokit_fail_every_check(capsys):
     import zerokit
 
     class CallsZerokit(zerokit.ZeRO3Adam):
-        def _pre_forward(self, u, module, args):
-            return super()._pre_forward(u, module, args)
+        def pre_forward(self, u, module, args):
+            return super().pre_forward(u, module, args)
 
-        def _post_forward(self, u, module, args, output):
-            return super()._post_forward(u, module, args, output)
+        def post_forward(self, u, module, args, output):
+            return super().post_forward(u, module, args, output)
 
     fails_exactly(HOOKS, CallsZerokit, dict.fromkeys(HOOKS, "zerokit's own handling of a recomputation"), capsys,
                   timeout=SHORT)

@@ -10,7 +10,7 @@ fail the checks listed beside it, with a message that names it, and pass the oth
 |---|---|---|
 | backward gathers the primary shards over every rank (example) | hpZ traffic | "gathered across nodes in backward" |
 | backward's gather into a fresh tensor, not the bucket's buffer (example) | hpZ traffic | "a tensor of its own" |
-| a synchronous gather that sets _full itself (example) | hpZ traffic | "recorded no transfer" |
+| a synchronous gather that sets self.full itself (example) | hpZ traffic | "recorded no transfer" |
 | no guard for a bucket full or on its way, the entry left (example) | hpZ traffic | "while bucket" |
 | the secondary shards gathered on the whole group (example) | hpZ traffic | "gather it on the node's group" |
 | the secondary shards gathered again in the next forward (example) | hpZ traffic | "inside a node" |
@@ -115,7 +115,7 @@ def test_untouched_student_notebook_fails_every_check():
 # out= itself). The first two tests below prove that isolation once; each example is then run against the
 # checks that run the code it changed (tests/test_autograde.py grades every example's whole notebook).
 
-_GRADES = {"numerics": {"_keep_secondary"}, "traffic": {"_start_gather"}, "memory": {"_keep_secondary", "_free"}}
+_GRADES = {"numerics": {"keep_secondary"}, "traffic": {"start_gather"}, "memory": {"keep_secondary", "free"}}
 _LOST = {"test_hpz_numerics": "numerics", "test_hpz_traffic": "traffic", "test_hpz_memory": "memory",
          "test_quantize": "quantize", "test_qwz_gather": "gather", "test_qwz_training": "training"}
 DEFECTS = examples.DEFECTS  # each alone (the graded notebooks hold one per exercise: one_per_exercise)
@@ -133,7 +133,7 @@ def _checks_that_run(cell, edited):
     if cell == "hpz_class":
         before, after = _methods(SOURCES[cell]), _methods(edited)
         changed = {name for name in before | after if before.get(name) != after.get(name)}
-        assert changed <= {"_keep_secondary", "_start_gather", "_free"}, changed
+        assert changed <= {"keep_secondary", "start_gather", "free"}, changed
         return {name: HPZ[name] for name, graded in _GRADES.items() if graded & changed}
     if cell == "quantize":
         return {"quantize": QWZ["quantize"], "training": QWZ["training"]}
@@ -167,7 +167,7 @@ def test_each_hpz_check_runs_only_the_methods_it_grades(capsys):
 
     for name, graded in _GRADES.items():
         edit = SOURCES["hpz_class"]
-        for method in {"_keep_secondary", "_start_gather", "_free"} - graded:
+        for method in {"keep_secondary", "start_gather", "free"} - graded:
             edit = method_replaced(method, _UNCALLED.format(name=method))(edit)
         fails_exactly({name: HPZ[name]}, _module(f"only_{name}", hpz_class=edit), {}, capsys)
 
@@ -193,8 +193,8 @@ def _both_edits(*edits):
 
 GROUP_RANK = _edited("k, j = dist.get_world_size(node), dist.get_rank(node)",
                      "k, j = dist.get_world_size(node), dist.get_rank()  # BUG: the rank in the whole group")
-A_VIEW = _edited("secondary = self._full[bi][j * piece:(j + 1) * piece].clone()",
-                 "secondary = self._full[bi][j * piece:(j + 1) * piece]  # BUG: a view, released by _free")
+A_VIEW = _edited("secondary = self.full[bi][j * piece:(j + 1) * piece].clone()",
+                 "secondary = self.full[bi][j * piece:(j + 1) * piece]  # BUG: a view, released by free")
 PRIMARY_SIZE = _edited("piece = self.buckets[bi].padded_numel // k",
                        "piece = self.buckets[bi].padded_numel // dist.get_world_size()  # BUG: the primary's size")
 

@@ -14,7 +14,7 @@ from conftest import ROOT
 LESSONS = sorted(p.name for p in (ROOT / "solutions").iterdir() if (p / f"{p.name}.ipynb").exists())
 RUNG = re.compile(r"<details><summary><b>Hint (\d) — ([^<]+)</b></summary>\n\n(.*?)\n\n</details>", re.S)
 # a name, an attribute path, an item of one, a literal, or a method's signature as the scaffold
-# declares it (`_send(bi)`): nothing that runs as a line
+# declares it (`send(bi)`): nothing that runs as a line
 NAME = re.compile(r"""^([\w.\[\]"'\-]+|[\w.]+\((\w+(, \w+)*)?\))$""")
 
 

@@ -250,3 +250,67 @@ def test_grading_does_not_run_a_measurement_cell():
     from zerokit.grading.autograde.execute import is_measurement
 
     assert not is_measurement(graded)  # a test cell is always run, whatever its first line says
+
+
+# ---- the wings use the course's classes through their public names
+
+# the packages that drive the course's objects from outside: the graders, checkpointing, the
+# benchmarks and the training script (the launcher and fully_shard touch none of them)
+OUTSIDE = ("grading", "checkpoint", "bench", "train")
+
+
+def _private(name):
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _zerokit_private_names():
+    """Every private name zerokit defines: at a module's top level, in a class body, or as
+    `self._x = ...` in a class's methods."""
+    import ast
+
+    names = set()
+
+    def targets(node):
+        found = node.targets if isinstance(node, ast.Assign) else [node.target]
+        return {n.id for t in found for n in ast.walk(t) if isinstance(n, ast.Name)}
+
+    for path in PACKAGE.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        bodies = [tree.body] + [n.body for n in ast.walk(tree) if isinstance(n, ast.ClassDef)]
+        for body in bodies:
+            for node in body:
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    names.add(node.name)
+                elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+                    names |= targets(node)
+        for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+            names |= {n.attr for n in ast.walk(cls) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)
+                      and isinstance(n.value, ast.Name) and n.value.id in ("self", "cls")}
+    return {n for n in names if _private(n)}
+
+
+def test_the_wings_use_no_private_name_of_zerokit_on_another_object():
+    """No `obj._name` in the graders, checkpointing, the benchmarks or the training script, where
+    obj is not self, cls or super() and zerokit defines `_name`, and no `from zerokit... import
+    _name`: what they call on the course's optimizers (an exercise's contract included) is public,
+    and so is what one module reads of another. (torch's own private names are not zerokit's.)"""
+    import ast
+
+    private = _zerokit_private_names()
+    assert len(private) > 100, f"the scan of zerokit found {len(private)} private names"
+
+    def own(value):
+        return (isinstance(value, ast.Name) and value.id in ("self", "cls")) or (
+            isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id == "super")
+
+    found = []
+    for wing in OUTSIDE:
+        for path in sorted((PACKAGE / wing).rglob("*.py")):
+            where = path.relative_to(ROOT)
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Attribute) and node.attr in private and not own(node.value):
+                    found.append((str(where), node.lineno, ast.unparse(node)))
+                elif isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("zerokit")):
+                    found += [(str(where), node.lineno, f"import {a.name}") for a in node.names if a.name in private]
+    assert not found, "private names of zerokit used outside their class or module:\n" + "\n".join(
+        f"{path}:{line}: {what}" for path, line, what in sorted(found))

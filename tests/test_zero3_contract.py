@@ -4,8 +4,8 @@
   last unit first, a tied weight in the root unit);
 - `bucket_state` names where a bucket is (UnitState, as FSDP2's ShardedState): SHARDED at
   rest, GATHERING while its all-gather is in flight, GATHERED once installed, SHARDED again
-  after _free, on a unit prefetched and never used too;
-- one full-size transfer at a time (ShardedParameters._start_gather, ZeRO3Adam._before_send): on a
+  after free(), on a unit prefetched and never used too;
+- one full-size transfer at a time (ShardedParameters.start_gather, ZeRO3Adam._before_send): on a
   transformer with a unit per block, no reduce-scatter is in flight when a prefetch starts,
   no gather is in flight when a reduce-scatter starts, and the unit being reduced is
   already SHARDED; backward's prefetch overlaps the unit's compute: at most one gather (the next
@@ -37,14 +37,14 @@ def _states(rank, world_size):
               and all(list(mine) == list(b.params) for (_, mine), b in zip(plan, opt.buckets))
               and plan[-1][0] == 0 and model.embed.weight in plan[-1][1])  # the tied weight: root, sent last
     seen = [opt.bucket_state(0)]
-    opt._start_gather(0)
+    opt.start_gather(0)
     seen.append(opt.bucket_state(0))
-    opt._finish_gather(0)
+    opt.finish_gather(0)
     seen.append(opt.bucket_state(0))
-    opt._free(0)
+    opt.free(0)
     seen.append(opt.bucket_state(0))
-    opt._start_gather(1)  # a prefetch nobody uses
-    opt._free(1)
+    opt.start_gather(1)  # a prefetch nobody uses
+    opt.free(1)
     seen.append(opt.bucket_state(1))
     x, y = model_batch("awkward", 4, 0)
     model_loss("awkward", model(x), y).backward()
@@ -78,9 +78,9 @@ class _Watched(ZeRO3Adam):
     """ZeRO3Adam telling `watch` how many gathers are in flight as a unit's backward begins."""
     watch = None
 
-    def _pre_backward(self, u, grad):
-        super()._pre_backward(u, grad)
-        self.watch(("backward", len(self._gathering)))
+    def pre_backward(self, u, grad):
+        super().pre_backward(u, grad)
+        self.watch(("backward", len(self.gathering)))
 
 
 def _one_transfer_at_a_time(rank, world_size, lazy):
@@ -89,11 +89,11 @@ def _one_transfer_at_a_time(rank, world_size, lazy):
 
     def gathering(output, input):
         opt = box["opt"]
-        seen.append(("gather", len(opt._in_flight), len(opt._gathering)))
+        seen.append(("gather", len(opt._in_flight), len(opt.gathering)))
 
     def reducing(output, input):
-        opt = box["opt"]  # ZeRO-2's _send sets _next past the bucket after its reduce-scatter
-        seen.append(("reduce", len(opt._gathering), opt.bucket_state(opt._next).value))
+        opt = box["opt"]  # ZeRO-2's send sets _next past the bucket after its reduce-scatter
+        seen.append(("reduce", len(opt.gathering), opt.bucket_state(opt._next).value))
 
     if lazy:
         zerokit.zero3.all_gather = _lazy(real_gather, gathering)

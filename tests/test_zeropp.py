@@ -59,7 +59,7 @@ def _train(rank, n, cls, kw, name="nested", steps=3):
         weights = {k: v.detach().clone() for k, v in model.named_parameters()}
     return {"steps": steps, "weights": weights, "padded": [b.padded_numel for b in opt.buckets],
             "root": sum(b.padded_numel for b, u in zip(opt.buckets, opt.bucket_units) if u == 0),
-            "secondary_after": [s for s in getattr(opt, "_secondary", []) if s is not None]}
+            "secondary_after": [s for s in getattr(opt, "secondary", []) if s is not None]}
 
 
 BLOCK = 64

@@ -168,6 +168,11 @@ class DistributedAdam(Adam):
     def _params(self):
         return [p for g in self.param_groups for p in g["params"]]
 
+    def parameters(self):
+        """Every parameter of every param group, in order: the order `masters` follows (its
+        i-th entry is the fp32 master of the i-th parameter, None where it needs none)."""
+        return self._params()
+
     @torch.no_grad()
     def _update(self):
         """Lesson 01's Adam on every parameter with a gradient; beyond the lesson, where torch.optim.AdamW

@@ -185,11 +185,11 @@ def unit_state_figure():
     """
     states = [  # (title, what is true in it, colour)
         ("shard only", "flat_params[bi]: Ψu/N elements\nparameters empty\nno buffer yet", "white"),
-        ("gathering", "_gathering[bi] =\n  (work, buffer, shard)\nbuffer: Ψu elements, arriving\n"
+        ("gathering", "gathering[bi] =\n  (work, buffer, shard)\nbuffer: Ψu elements, arriving\n"
                       "parameters still empty", _COLORS[5]),
-        ("full", "_full[bi] = buffer\nparameters = views of it\nautograd may save views", _COLORS[0]),
+        ("full", "full[bi] = buffer\nparameters = views of it\nautograd may save views", _COLORS[0]),
         ("freed", "buffer storage resize_(0):\n0 bytes, under autograd's\nsaved views too\n"
-                  "params empty, _full[bi] = None", "#dddddd"),
+                  "params empty, full[bi] = None", "#dddddd"),
     ]
     fig, ax = plt.subplots(figsize=(15, 6))
     xs, y, w, h = [0.0, 4.3, 8.6, 12.9], 0.0, 2.7, 1.7
@@ -206,23 +206,23 @@ def unit_state_figure():
         ax.text((x0 + x1) / 2, yy + dy, label, ha="center", va="center", fontsize=8.5, color=color)
 
     mid = y + h / 2
-    for k, label in enumerate(("_start_gather\nasync all-gather\ninto _gather_buffer",
-                               "_finish_gather\nwork.wait(),\ninstall the views",
-                               "_free\nempty params,\nresize_(0)")):
+    for k, label in enumerate(("start_gather\nasync all-gather\ninto gather_buffer",
+                               "finish_gather\nwork.wait(),\ninstall the views",
+                               "free\nempty params,\nresize_(0)")):
         arrow(xs[k] + w + 0.05, xs[k + 1] - 0.05, mid - 0.1, 0.0, label, dy=0.55)
     # freed -> gathering, over the top: the same buffer, its memory allocated again
     arrow(xs[3] + w / 2, xs[1] + w / 2, y + h, 0.3,
-          "_start_gather again: the SAME buffer, re-allocated by _gather_buffer "
+          "start_gather again: the SAME buffer, re-allocated by gather_buffer "
           "(autograd's saved views see the weights again)", color=_COLORS[0], dy=1.62)
     # gathering -> freed, under the bottom: a prefetch nobody used
     arrow(xs[1] + w / 2, xs[3] + w / 2, y, 0.3,
-          "_free of a prefetch nobody used (a unit the forward skipped; the end of backward): "
+          "free() of a prefetch nobody used (a unit the forward skipped; the end of backward): "
           "work.wait(), then resize_(0) this buffer too", color=_COLORS[3], dy=-1.62)
     hooks = ["who calls them (exercise 2):",
-             "  _start_gather   <- _gather_unit: in this unit's _pre_forward or _pre_backward, or ahead of time in "
+             "  start_gather    <- gather_unit: in this unit's pre_forward or pre_backward, or ahead of time in "
              "the previous unit's (prefetch)",
-             "  _finish_gather  <- _gather_unit of this unit: its _pre_forward, its _pre_backward",
-             "  _free           <- _post_forward (after its forward; not the root), _send (its gradients are on their "
+             "  finish_gather   <- gather_unit of this unit: its pre_forward, its pre_backward",
+             "  free            <- post_forward (after its forward; not the root), send (its gradients are on their "
              "way), _end_of_backward (the root, unused prefetches)"]
     ax.text(xs[0], y - 2.05, "\n".join(hooks), ha="left", va="top", fontsize=8.5, family="monospace")
     ax.set_xlim(-0.3, xs[3] + w + 0.3)

@@ -501,6 +501,12 @@ class ZeRO1Adam(torch.optim.Optimizer):
         master = self.shards[i].master
         return self.buckets[i].shard(self.flat_params[i]) if master is None else master
 
+    def weight_shard(self, i):
+        """This rank's shard of bucket i's weights as Adam updates it in step(): the tensor
+        itself, not a copy (the fp32 master under mixed precision; in host memory or a file,
+        a DiskTensor, when offloaded). ZeRO-3's is its shard at rest."""
+        return self._param_shard(i)
+
     def _publish(self, i):
         """Every rank gets every updated shard; the input is a view of the output (in place).
 

@@ -10,15 +10,17 @@ How gradients are caught: `register_post_accumulate_grad_hook` runs right after 
 writes a parameter's .grad (the hook receives the parameter). Two hooks per parameter:
 `_mark_present` notes that it got a gradient and has autograd call `_finish_backward` once
 backward is over; `_on_grad_ready` counts it in its bucket, and a bucket whose parameters
-are all in is flattened, reduce-scattered asynchronously (`_send`), and its parameters'
+are all in is flattened, reduce-scattered asynchronously (`send`), and its parameters'
 .grad set to None. Buckets are sent strictly in order (0, 1, 2, ...), so every rank issues
 the same collectives in the same order even if gradients arrive in a different order; at
 the end of backward (`_end_of_backward`) the remaining buckets are sent, with zeros for
 parameters that got no gradient on this rank, and all transfers are awaited.
 
 This class has the shape of lesson 04's scaffold (`MyZeRO2Adam`): the same methods, split
-the same way, so the exercise's three methods (`_on_grad_ready`, `_send`,
-`_end_of_backward`) can be read side by side with a student's. Lines marked "beyond the
+the same way, so the exercise's three methods (`_on_grad_ready`, `send`,
+`_end_of_backward`) can be read side by side with a student's. `send` is public because code
+outside the class calls it (lesson 04's checks; ZeRO-3 extends it to free a unit's weights);
+the other two only the class itself calls. Lines marked "beyond the
 exercise" are what the scaffold leaves out: `no_sync()`, the `max_in_flight` cap,
 mixed precision's reduce dtype and bucket size (lesson 06), and the recovery from a
 backward that raised.
@@ -122,10 +124,10 @@ class ZeRO2Adam(ZeRO1Adam):
         bi, _ = self._where[param]
         self._ready[bi] += 1
         while self._next < len(self.buckets) and self._ready[self._next] == len(self.buckets[self._next].params):
-            self._send(self._next)
+            self.send(self._next)
 
     @torch.no_grad()
-    def _send(self, bi):
+    def send(self, bi):
         """Start bucket bi's reduce-scatter (mean, asynchronous) and free its full gradients."""
         bucket = self.buckets[bi]
         while len(self._in_flight) >= self.max_in_flight:  # beyond the exercise: see max_in_flight
@@ -145,7 +147,7 @@ class ZeRO2Adam(ZeRO1Adam):
         """Send the buckets not sent yet, in order; wait for every transfer; keep the shards."""
         if self._sync:  # beyond the exercise: inside no_sync() nothing is sent
             while self._next < len(self.buckets):  # buckets with a parameter that got no gradient
-                self._send(self._next)
+                self.send(self._next)
         while self._in_flight:
             self._receive()
 
@@ -153,7 +155,7 @@ class ZeRO2Adam(ZeRO1Adam):
         """Wait for the oldest transfer in flight and keep its output in grad_shards.
 
         The body of the exercise's waiting loop, in a method of its own because the
-        max_in_flight cap (beyond the exercise) waits for transfers in _send too.
+        max_in_flight cap (beyond the exercise) waits for transfers in send() too.
         """
         work, bi, out, _flat = self._in_flight.pop(0)  # the flat input is dropped once received
         work.wait()
@@ -201,7 +203,7 @@ class ZeRO2Adam(ZeRO1Adam):
     # gradients peak at 12.98 MiB per rank with the wait before, 14.68 after (one 1.70 MiB bucket
     # copy more), its whole peak 40.82-40.96 against 40.83-42.59. ZeRO-3's peak is 39.31 MiB either
     # way (0.98 of FSDP2's): it also receives every transfer before each new all-gather
-    # (zero3.py, _start_gather).
+    # (zero3.py, start_gather).
     max_in_flight = 2
 
     @contextmanager

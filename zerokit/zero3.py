@@ -30,9 +30,12 @@ the full weights.
 
 Two classes, with the shape of lesson 05's two exercises: `ShardedParameters` is the
 storage (units, one bucket per unit, the shards, and moving a bucket between its shard
-and its full parameters: `_start_gather`, `_finish_gather`, `_free`); `ZeRO3Adam` decides
-when (the forward and backward hooks, prefetching). Lines marked "beyond the exercise"
-are what the lesson's scaffold leaves out.
+and its full parameters: `start_gather`, `finish_gather`, `free`); `ZeRO3Adam` decides
+when (the forward and backward hooks, prefetching). What the exercises write is public
+(those three, the fields `full` and `gathering` they keep, the hooks `pre_forward`,
+`post_forward`, `pre_backward`, `send` and the helpers they call): code outside the class
+calls it, the module hooks and the lessons' checks (05, 08, 11). Lines marked "beyond the
+exercise" are what the lesson's scaffold leaves out.
 
 Lesson 08: a forward that backward recomputes (activation checkpointing) runs these hooks
 again inside backward; `_pre_recompute` and `_post_recompute` (the last part of the file) are
@@ -123,15 +126,15 @@ def bucket_plan(units, params):
 
 
 def install_unit_hooks(opt):
-    """ZeRO-3's forward hooks on every unit of `opt` (lesson 05, exercise 2): `_record` notes
-    the order the units run in (the prefetch's guide), `_pre_forward` gathers the unit,
-    `_post_forward` frees it and hooks its backward."""
+    """ZeRO-3's forward hooks on every unit of `opt` (lesson 05, exercise 2): `record_order` notes
+    the order the units run in (the prefetch's guide), `pre_forward` gathers the unit,
+    `post_forward` frees it and hooks its backward."""
     opt._order, opt._last_order = [], []  # units in the order this (the last) forward ran them
     for u, unit in enumerate(opt.units):
         for m in members(unit):  # a group: every module of it (beyond the exercise)
-            m.register_forward_pre_hook(partial(weak_hook(opt._record), u))  # runs first
-            m.register_forward_pre_hook(partial(weak_hook(opt._pre_forward), u))
-            m.register_forward_hook(partial(weak_hook(opt._post_forward), u))
+            m.register_forward_pre_hook(partial(weak_hook(opt.record_order), u))  # runs first
+            m.register_forward_pre_hook(partial(weak_hook(opt.pre_forward), u))
+            m.register_forward_hook(partial(weak_hook(opt.post_forward), u))
 
 
 class ShardedParameters(ZeRO2Adam):
@@ -155,11 +158,11 @@ class ShardedParameters(ZeRO2Adam):
         super().__init__(module.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, group=group,
                          precision=precision, offload=offload, foreach=foreach)
         self.bucket_units = [self._unit_of[b.params[0]] for b in self.buckets]  # bucket -> the index of its unit
-        self._buckets_of_unit = [[bi for bi, v in enumerate(self.bucket_units) if v == u]
-                                 for u in range(len(self.units))]
-        self._full = [None] * len(self.buckets)  # bucket -> the gathered flat buffer, while in use
-        self._gathering = {}  # bucket -> (work, full buffer, shard): an all-gather in flight
-        self._gather_buffers = [None] * len(self.buckets)  # bucket -> its full-size buffer (see _gather_buffer)
+        self.buckets_of_unit = [[bi for bi, v in enumerate(self.bucket_units) if v == u]
+                                for u in range(len(self.units))]
+        self.full = [None] * len(self.buckets)  # bucket -> the gathered flat buffer, while in use
+        self.gathering = {}  # bucket -> (work, full buffer, shard): an all-gather in flight
+        self._gather_buffers = [None] * len(self.buckets)  # bucket -> its full-size buffer (see gather_buffer)
 
     def _make_buckets(self, params):
         """One bucket per unit, the last unit first: backward finishes the units in that order."""
@@ -167,10 +170,10 @@ class ShardedParameters(ZeRO2Adam):
                 for _, mine in bucket_plan(self.units, params)]
 
     def bucket_state(self, bi):
-        """Bucket bi's UnitState, read from the exercise's own fields (_full and _gathering)."""
-        if self._full[bi] is not None:
+        """Bucket bi's UnitState, read from the exercise's own fields (self.full and self.gathering)."""
+        if self.full[bi] is not None:
             return UnitState.GATHERED
-        return UnitState.GATHERING if bi in self._gathering else UnitState.SHARDED
+        return UnitState.GATHERING if bi in self.gathering else UnitState.SHARDED
 
     @torch.no_grad()
     def _install_flat_params(self, i):
@@ -202,18 +205,18 @@ class ShardedParameters(ZeRO2Adam):
         # beyond the exercise: a full copy still gathered now holds the weights from before this
         # step (a forward with grad enabled and no backward after it leaves the root unit
         # gathered): drop it, or the next forward would skip its gather and use stale weights
-        self._free(i)
+        self.free(i)
 
     @contextmanager
     def gathered(self):
         """The full parameters inside the block (to evaluate, compare or save); freed after."""
         for bi in range(len(self.buckets)):
-            self._finish_gather(bi)
+            self.finish_gather(bi)
         try:
             yield self.module
         finally:
             for bi in range(len(self.buckets)):
-                self._free(bi)
+                self.free(bi)
 
     def memory_categories(self):
         cats = super().memory_categories()
@@ -222,17 +225,17 @@ class ShardedParameters(ZeRO2Adam):
         masters = [s.master for s in self.shards]
         at_rest = [t for t in self.flat_params if not any(t is m for m in masters)]
         # an all-gather in flight (a prefetch): its full buffer and its input shard are parameters
-        cats["parameters"] = at_rest + [f for f in self._full if f is not None] + [
-            t for sent in self._gathering.values() for t in sent if isinstance(t, torch.Tensor)]
+        cats["parameters"] = at_rest + [f for f in self.full if f is not None] + [
+            t for sent in self.gathering.values() for t in sent if isinstance(t, torch.Tensor)]
         return cats
 
-    def _gather_buffer(self, bi, shard):
+    def gather_buffer(self, bi, shard):
         """Bucket bi's full-size flat buffer: the same tensor at every gather (autograd's saved
-        views of the weights point into it), its memory allocated again if _free released it.
+        views of the weights point into it), its memory allocated again if free() released it.
 
         A fresh buffer per gather would not do: autograd saves some weights for backward as
         views of it (a linear layer keeps its transposed weight), and those views would keep
-        every unit's full weights alive from forward to backward. Released in place by _free
+        every unit's full weights alive from forward to backward. Released in place by free()
         (storage resized to 0, PyTorch FSDP's trick), the saved views hold no memory in between
         and see the weights again once backward's gather refills the buffer.
         """
@@ -248,51 +251,51 @@ class ShardedParameters(ZeRO2Adam):
     # until it completes, zerokit.collectives), and backward's peak is where these meet the
     # activations. So a new gather (the prefetch) first
     # finishes the gather in flight, whose unit is needed next anyway, and receives every
-    # reduce-scatter; _send likewise finishes gathers and frees its unit before it sends. The
-    # prefetch still overlaps the unit's compute. (Inline in _start_gather, not a method: the
-    # lesson's grader runs this _start_gather on a student's class.)
+    # reduce-scatter; send() likewise finishes gathers and frees its unit before it sends. The
+    # prefetch still overlaps the unit's compute. (Inline in start_gather, not a method: the
+    # lesson's grader runs this start_gather on a student's class.)
 
     # ---- exercise 1 of lesson 05: gather and free ------------------------------------
 
-    def _start_gather(self, bi):
+    def start_gather(self, bi):
         """Start bucket bi's all-gather (asynchronous) unless it is full or on its way."""
-        if self._full[bi] is not None or bi in self._gathering:  # not UnitState.SHARDED
+        if self.full[bi] is not None or bi in self.gathering:  # not UnitState.SHARDED
             return
-        for other in list(self._gathering):  # beyond the exercise: one transfer at a time (see above)
-            self._finish_gather(other)
+        for other in list(self.gathering):  # beyond the exercise: one transfer at a time (see above)
+            self.finish_gather(other)
         while self._in_flight:  # beyond the exercise: one transfer at a time (see above)
             self._receive()
         # beyond the exercise (lesson 06): an fp32 master at rest is sent in 16 bits;
         # the exercise: `shard = self.flat_params[bi]`
         shard = self.precision.to_half(self.flat_params[bi])
-        full = self._gather_buffer(bi, shard)
+        full = self.gather_buffer(bi, shard)
         work = all_gather(full, shard, group=self.group, async_op=True)
-        self._gathering[bi] = (work, full, shard)  # the input must outlive the transfer
+        self.gathering[bi] = (work, full, shard)  # the input must outlive the transfer
 
     @torch.no_grad()
-    def _finish_gather(self, bi):
+    def finish_gather(self, bi):
         """Bucket bi's parameters full: start the gather if needed, wait, install the views."""
-        self._start_gather(bi)
-        if bi in self._gathering:
-            work, full, _shard = self._gathering.pop(bi)
+        self.start_gather(bi)
+        if bi in self.gathering:
+            work, full, _shard = self.gathering.pop(bi)
             work.wait()
             for p, view in zip(self.buckets[bi].params, self.buckets[bi].views(full)):
                 p.data = view
-            self._full[bi] = full
+            self.full[bi] = full
 
     @torch.no_grad()
-    def _free(self, bi):
+    def free(self, bi):
         """Bucket bi back to its shard only: nothing in flight, parameters empty, and the buffer's
         memory released, whether the bucket was full or its gather still in flight."""
-        if bi in self._gathering:  # a prefetch nobody used: wait for it, then release its buffer too
-            work, full, _shard = self._gathering.pop(bi)
+        if bi in self.gathering:  # a prefetch nobody used: wait for it, then release its buffer too
+            work, full, _shard = self.gathering.pop(bi)
             work.wait()
             full.untyped_storage().resize_(0)
-        if self._full[bi] is not None:
+        if self.full[bi] is not None:
             for p in self.buckets[bi].params:
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-            self._full[bi].untyped_storage().resize_(0)  # frees it under autograd's saved views too
-            self._full[bi] = None
+            self.full[bi].untyped_storage().resize_(0)  # frees it under autograd's saved views too
+            self.full[bi] = None
 
 
 class ZeRO3Adam(ShardedParameters):
@@ -311,7 +314,7 @@ class ZeRO3Adam(ShardedParameters):
                          prefetch=prefetch, group=group, precision=precision, offload=offload, foreach=foreach)
         install_unit_hooks(self)
 
-    def _record(self, u, module, args):
+    def record_order(self, u, module, args):
         if in_backward():  # beyond the exercise (lesson 08): a recomputation is not a new forward
             return
         if u == 0:  # a new forward begins: the last one predicts the order of this one
@@ -319,12 +322,18 @@ class ZeRO3Adam(ShardedParameters):
         if u not in self._order:
             self._order.append(u)
 
-    def _next_in_forward(self, u):
+    @property
+    def forward_order(self):
+        """The units (indices into self.units) in the order the latest forward ran them: the one
+        under way once it has begun, else the last one ([] before the first forward)."""
+        return self._order or self._last_order
+
+    def next_in_forward(self, u):
         """The unit that ran right after u in the last forward (None: unknown, or none)."""
         k = self._last_order.index(u) + 1 if u in self._last_order else len(self._last_order)
         return self._last_order[k] if k < len(self._last_order) else None
 
-    def _next_in_backward(self, u):
+    def next_in_backward(self, u):
         """The unit whose backward comes after u's: the one that ran before u in this forward
         (after the root's, the last unit's)."""
         if u == 0:
@@ -335,27 +344,27 @@ class ZeRO3Adam(ShardedParameters):
     def _end_of_backward(self):
         super()._end_of_backward()  # ZeRO-2: send what is left, wait for every transfer
         for bi in range(len(self.buckets)):
-            self._free(bi)  # the root unit, and any prefetch nobody used
+            self.free(bi)  # the root unit, and any prefetch nobody used
 
     # ---- exercise 2 of lesson 05: the hooks ------------------------------------------
 
-    def _gather_unit(self, u, prefetch_next=None):
+    def gather_unit(self, u, prefetch_next=None):
         """Unit u's parameters full; with prefetch, unit prefetch_next's gather started too."""
-        for bi in self._buckets_of_unit[u]:
-            self._start_gather(bi)
+        for bi in self.buckets_of_unit[u]:
+            self.start_gather(bi)
         if self.prefetch and prefetch_next is not None:
-            for bi in self._buckets_of_unit[prefetch_next]:
-                self._start_gather(bi)
-        for bi in self._buckets_of_unit[u]:
-            self._finish_gather(bi)
+            for bi in self.buckets_of_unit[prefetch_next]:
+                self.start_gather(bi)
+        for bi in self.buckets_of_unit[u]:
+            self.finish_gather(bi)
 
-    def _pre_forward(self, u, module, args):
+    def pre_forward(self, u, module, args):
         """Forward pre-hook of unit u: gather it, and prefetch the unit that comes next."""
         if in_backward():  # beyond the exercise (lesson 08): backward is recomputing u's forward
             return self._pre_recompute(u)
-        self._gather_unit(u, prefetch_next=self._next_in_forward(u))
+        self.gather_unit(u, prefetch_next=self.next_in_forward(u))
 
-    def _post_forward(self, u, module, args, output):
+    def post_forward(self, u, module, args, output):
         """Forward hook of unit u: hook its outputs for the backward gather; free it (not the root)."""
         if in_backward():  # beyond the exercise (lesson 08): the end of a recomputed forward
             return self._post_recompute(u)
@@ -363,14 +372,14 @@ class ZeRO3Adam(ShardedParameters):
         if backward_coming:
             tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
             if tensors:
-                register_multi_grad_hook(tensors, partial(weak_hook(self._pre_backward), u), mode="any")
+                register_multi_grad_hook(tensors, partial(weak_hook(self.pre_backward), u), mode="any")
         if u != 0 or not backward_coming:  # the root stays gathered until backward ends
-            for bi in self._buckets_of_unit[u]:
-                self._free(bi)
+            for bi in self.buckets_of_unit[u]:
+                self.free(bi)
 
-    def _pre_backward(self, u, grad):
+    def pre_backward(self, u, grad):
         """The gradient of unit u's output is in: gather it again, prefetch the next backward's."""
-        self._gather_unit(u, prefetch_next=self._next_in_backward(u))
+        self.gather_unit(u, prefetch_next=self.next_in_backward(u))
 
     # Backward's prefetch stays in flight while unit u computes, on gloo too. It once was received
     # at once on gloo, because gloo's own all-gather held a full-size temporary until the slower
@@ -381,18 +390,18 @@ class ZeRO3Adam(ShardedParameters):
     # shared): 1.31-1.49 of the floor against 1.05-1.36, slower in every run (87 and 89 ms a step
     # against 82 in the two quiet ones), for the same peak (39.31 MiB per rank in all ten).
 
-    def _send(self, bi):
+    def send(self, bi):
         """Bucket bi's gradients are all in: reduce-scatter them (ZeRO-2), then free the weights."""
         self._before_send(bi)  # beyond the exercise: see _before_send
-        super()._send(bi)  # ZeRO-2: reduce-scatter the unit's gradients, free them ...
-        self._free(bi)  # ... and its full parameters are no longer needed
+        super().send(bi)  # ZeRO-2: reduce-scatter the unit's gradients, free them ...
+        self.free(bi)  # ... and its full parameters are no longer needed
 
     def _before_send(self, bi):
         """Beyond the exercise: no gather in flight beside a reduce-scatter, and the unit's own
-        weights (its gradients are all in) freed before it starts (see above _start_gather)."""
-        for other in list(self._gathering):
-            self._finish_gather(other)
-        self._free(bi)
+        weights (its gradients are all in) freed before it starts (see above start_gather)."""
+        for other in list(self.gathering):
+            self.finish_gather(other)
+        self.free(bi)
 
     # ---- beyond the exercise (lesson 08): recomputation, and no_sync -------------------
     #
@@ -411,11 +420,11 @@ class ZeRO3Adam(ShardedParameters):
     def _pre_recompute(self, u):
         """Backward is about to recompute unit u's forward: make u full (gathering it if it
         was freed), and prefetch nothing."""
-        self._gather_unit(u)
+        self.gather_unit(u)
 
     def _post_recompute(self, u):
         """Unit u's recomputed forward is done: keep it full, since its backward comes next
-        and _send frees it once its gradients are reduce-scattered; hook nothing, since the
+        and send frees it once its gradients are reduce-scattered; hook nothing, since the
         recomputed outputs only stand in for saved tensors and never receive a gradient."""
 
     def _on_grad_ready(self, param):
@@ -427,4 +436,4 @@ class ZeRO3Adam(ShardedParameters):
             bi, _ = self._where[param]
             self._ready[bi] += 1  # ZeRO-2 counts only what it sends: under no_sync the count is ours
             if self._ready[bi] == len(self.buckets[bi].params):
-                self._free(bi)
+                self.free(bi)

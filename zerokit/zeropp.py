@@ -161,21 +161,21 @@ class ZeROppAdam(ReshardZeRO3Adam):
                          reshard_after_forward=reshard_after_forward, foreach=foreach)
         self.quantize_block, self.quantizer = quantize_block, quantizer
 
-    def _start_gather(self, bi):
+    def start_gather(self, bi):
         """Bucket bi's gather: from the secondary shards inside the node as hpZ has it (exact), else
         from the shards over all ranks, quantised on the wire (qwZ)."""
-        if (self.quantize_block is None or self._secondary[bi] is not None or self._full[bi] is not None
-                or bi in self._gathering):
-            return super()._start_gather(bi)
-        for other in list(self._gathering):  # one transfer at a time, as ShardedParameters._start_gather
-            self._finish_gather(other)
+        if (self.quantize_block is None or self.secondary[bi] is not None or self.full[bi] is not None
+                or bi in self.gathering):
+            return super().start_gather(bi)
+        for other in list(self.gathering):  # one transfer at a time, as ShardedParameters.start_gather
+            self.finish_gather(other)
         while self._in_flight:
             self._receive()
         shard = self.precision.to_half(self.flat_params[bi])
-        full = self._gather_buffer(bi, shard)
+        full = self.gather_buffer(bi, shard)
         work = qwz_all_gather(full, shard, self.quantize_block, group=self.group, async_op=True,
                               quantizer=self.quantizer)
-        self._gathering[bi] = (work, full, shard)
+        self.gathering[bi] = (work, full, shard)
 
 
 # ---------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ FULL = full_marks(LESSON)
 ZERO = dict.fromkeys(FULL, 0)
 
 
-# _send without `p.grad = None`: every full gradient outlives backward (the point of ZeRO-2 missed).
+# send without `p.grad = None`: every full gradient outlives backward (the point of ZeRO-2 missed).
 KEEPS_FULL_GRADIENT = solution_with(
     "            p.grad = None  # the full gradient is gone as soon as its bucket is on its way\n",
     "            pass  # BUG: the full gradient stays alive\n")
@@ -25,7 +25,7 @@ IF_NOT_WHILE = solution_with(
     "        while self._next < len(self.buckets) and self._ready[self._next] == len(self.buckets[self._next]",
     "        if self._next < len(self.buckets) and self._ready[self._next] == len(self.buckets[self._next]")
 
-# _send waits for its own reduce-scatter: right numbers, but backward stands still while each bucket travels.
+# send waits for its own reduce-scatter: right numbers, but backward stands still while each bucket travels.
 WAITS_IN_SEND = solution_with(
     "        self._in_flight.append((work, bi, out, flat))\n",
     "        work.wait()  # BUG: blocks backward until the transfer is done\n"
@@ -46,7 +46,7 @@ STUDENTS = [
     Student("if_not_while", "sends only the head of the line when one gradient completes several buckets",
             {**FULL, "test_reduced_during_backward": 0}, reason="only the first went out",
             cells={"my_zero2": IF_NOT_WHILE, "answers": SOLUTION}),
-    Student("waits_in_send", "waits for each reduce-scatter inside _send: no overlap with backward",
-            {**FULL, "test_reduced_during_backward": 0}, reason="waited for inside _send",
+    Student("waits_in_send", "waits for each reduce-scatter inside send(): no overlap with backward",
+            {**FULL, "test_reduced_during_backward": 0}, reason="waited for inside send()",
             cells={"my_zero2": WAITS_IN_SEND, "answers": SOLUTION}),
 ]

@@ -2,8 +2,8 @@
 
 Points: test_hpz_numerics 3, test_hpz_traffic 2, test_hpz_memory 2, test_quantize 2, test_qwz_gather 2,
 test_qwz_training 2, test_questions 2. Each defect costs the check meant to catch it: the hpZ checks grade
-one method each (numerics _keep_secondary's piece, traffic _start_gather, memory what _keep_secondary keeps
-and _free drops) with zerokit's version of the others; the gather check runs zerokit's quantiser; training
+one method each (numerics keep_secondary's piece, traffic start_gather, memory what keep_secondary keeps
+and free() drops) with zerokit's version of the others; the gather check runs zerokit's quantiser; training
 runs the student's quantiser on whole blocks and writes out= itself. The one defect that costs two is the
 per-tensor scale, which check_quantize names and which also shows in training (the lesson's claim that
 blocks train as exact ZeRO-3 does).
@@ -42,58 +42,58 @@ def _rest_replaced(first_line, new):
 
 # Backward gathers the primary shards over every rank, as ZeRO-3 does: the secondary shard is kept and never
 # used. The numbers and the memory are hpZ's; backward's bytes all cross the nodes.
-HPZ_ACROSS_NODES = method_replaced("_start_gather", '''
-    def _start_gather(self, bi):
+HPZ_ACROSS_NODES = method_replaced("start_gather", '''
+    def start_gather(self, bi):
         """Start bucket bi's all-gather."""
-        return super()._start_gather(bi)  # BUG: from the primary shards over every rank, across the nodes
+        return super().start_gather(bi)  # BUG: from the primary shards over every rank, across the nodes
 ''')
 
 # The secondary shard is kept, but the unit is not freed: it stays gathered until backward (FSDP2's
 # reshard_after_forward=False's memory, and the secondary on top). Right numbers, no gather in backward.
 HPZ_KEEPS_WHOLE_UNIT = solution_with(
-    "        secondary = self._full[bi][j * piece:(j + 1) * piece].clone()\n"
-    "        self._free(bi)\n"
-    "        self._secondary[bi] = (secondary, node)",
-    "        secondary = self._full[bi][j * piece:(j + 1) * piece].clone()\n"
-    "        self._secondary[bi] = (secondary, node)  # BUG: the unit is not freed: it stays whole until backward")
+    "        secondary = self.full[bi][j * piece:(j + 1) * piece].clone()\n"
+    "        self.free(bi)\n"
+    "        self.secondary[bi] = (secondary, node)",
+    "        secondary = self.full[bi][j * piece:(j + 1) * piece].clone()\n"
+    "        self.secondary[bi] = (secondary, node)  # BUG: the unit is not freed: it stays whole until backward")
 
-# The secondary shard is never dropped: the gather reads it and leaves it, _free forgets to clear it. Every
+# The secondary shard is never dropped: the gather reads it and leaves it, free() forgets to clear it. Every
 # secondary shard outlives backward (and the next forward would find a stale one).
 HPZ_NEVER_DROPS_SECONDARY = _both(
-    solution_with("        (secondary, node), self._secondary[bi] = self._secondary[bi], None  # the gather holds it "
+    solution_with("        (secondary, node), self.secondary[bi] = self.secondary[bi], None  # the gather holds it "
                   "until done",
-                  "        secondary, node = self._secondary[bi]  # BUG: the entry stays"),
-    solution_with("        self._secondary[bi] = None\n        super()._free(bi)",
-                  "        super()._free(bi)  # BUG: the secondary shard is not dropped"))
+                  "        secondary, node = self.secondary[bi]  # BUG: the entry stays"),
+    solution_with("        self.secondary[bi] = None\n        super().free(bi)",
+                  "        super().free(bi)  # BUG: the secondary shard is not dropped"))
 
 # No secondary shard kept at all: the piece is cut and the unit freed, but the pair is never stored. The
 # numbers are ZeRO-3's, and backward has nothing to gather inside the node.
-HPZ_KEEPS_NO_SECONDARY = solution_with("        self._secondary[bi] = (secondary, node)\n",
-                                       "        # BUG: the piece is never stored in self._secondary\n")
+HPZ_KEEPS_NO_SECONDARY = solution_with("        self.secondary[bi] = (secondary, node)\n",
+                                       "        # BUG: the piece is never stored in self.secondary\n")
 
 # The gather from the secondary shards into a tensor of its own instead of the bucket's buffer: autograd's
 # saved views of the weights point into the bucket's buffer, which stays empty ("setStorage ... out of bounds").
-HPZ_FRESH_BUFFER = solution_with("        full = self._gather_buffer(bi, secondary)\n",
+HPZ_FRESH_BUFFER = solution_with("        full = self.gather_buffer(bi, secondary)\n",
                                  "        full = torch.empty(self.buckets[bi].padded_numel)  # BUG: not the bucket's\n")
 
-# A synchronous gather that installs the buffer itself: no transfer recorded in _gathering, so ZeRO-3's
-# _finish_gather never puts the parameters' views into it ("The size of tensor a (0) must match ...").
+# A synchronous gather that installs the buffer itself: no transfer recorded in self.gathering, so ZeRO-3's
+# finish_gather never puts the parameters' views into it ("The size of tensor a (0) must match ...").
 HPZ_SYNCHRONOUS = solution_with(
     "        work = all_gather(full, secondary, group=node, async_op=True)\n"
-    "        self._gathering[bi] = (work, full, secondary)",
-    "        all_gather(full, secondary, group=node)  # BUG: synchronous, and nothing recorded in _gathering\n"
-    "        self._full[bi] = full")
+    "        self.gathering[bi] = (work, full, secondary)",
+    "        all_gather(full, secondary, group=node)  # BUG: synchronous, and nothing recorded in self.gathering\n"
+    "        self.full[bi] = full")
 
 # The secondary branch without the guard "full, or already on its way", its entry left in place: ZeRO-3's
-# _finish_gather calls _start_gather again while the gather is in flight, and a second gather writes the
+# finish_gather calls start_gather again while the gather is in flight, and a second gather writes the
 # same buffer (gloo's threads crash the rank with signal 11).
 HPZ_NO_GUARD = solution_with(
-    "        if self._secondary[bi] is None or self._full[bi] is not None or bi in self._gathering:\n"
-    "            return super()._start_gather(bi)\n"
-    "        (secondary, node), self._secondary[bi] = self._secondary[bi], None  # the gather holds it until done",
-    "        if self._secondary[bi] is None:  # BUG: no guard for a bucket full or on its way\n"
-    "            return super()._start_gather(bi)\n"
-    "        secondary, node = self._secondary[bi]")
+    "        if self.secondary[bi] is None or self.full[bi] is not None or bi in self.gathering:\n"
+    "            return super().start_gather(bi)\n"
+    "        (secondary, node), self.secondary[bi] = self.secondary[bi], None  # the gather holds it until done",
+    "        if self.secondary[bi] is None:  # BUG: no guard for a bucket full or on its way\n"
+    "            return super().start_gather(bi)\n"
+    "        secondary, node = self.secondary[bi]")
 
 # The secondary shards gathered on the optimizer's whole group instead of the node: 1/k of the unit from
 # each of N ranks does not fill the unit (gloo: "invalid tensor size").
@@ -103,23 +103,23 @@ HPZ_WHOLE_GROUP = solution_with("        work = all_gather(full, secondary, grou
 # The secondary shards kept for the next step too ("why gather across nodes in forward when the node still
 # has the pieces?"): the next forward gathers last step's weights, from before the optimizer's step, inside
 # the node.
-HPZ_REUSES_SECONDARY = method_replaced("_start_gather", '''
-    def _start_gather(self, bi):
+HPZ_REUSES_SECONDARY = method_replaced("start_gather", '''
+    def start_gather(self, bi):
         """Start bucket bi's all-gather: from the secondary shards inside the node if this rank
         keeps one, else as ZeRO-3 does."""
-        if self._full[bi] is not None or bi in self._gathering:
-            return super()._start_gather(bi)
-        entry = self._secondary[bi]
+        if self.full[bi] is not None or bi in self.gathering:
+            return super().start_gather(bi)
+        entry = self.secondary[bi]
         if entry is None:
             entry = getattr(self, "_reused", {}).get(bi)  # BUG: last step's pieces, kept for the next forward
             if entry is None:
-                return super()._start_gather(bi)
-        self._secondary[bi] = None
+                return super().start_gather(bi)
+        self.secondary[bi] = None
         self.__dict__.setdefault("_reused", {})[bi] = entry
         secondary, node = entry
-        full = self._gather_buffer(bi, secondary)
+        full = self.gather_buffer(bi, secondary)
         work = all_gather(full, secondary, group=node, async_op=True)
-        self._gathering[bi] = (work, full, secondary)
+        self.gathering[bi] = (work, full, secondary)
 ''')
 
 # ---- exercise 2, the quantiser
@@ -200,13 +200,13 @@ DEFECTS = [
              ["test_hpz_traffic"], "gathered across nodes in backward", "hpz_class", HPZ_ACROSS_NODES),
     _student("hpz_keeps_whole_unit", "a secondary shard kept, but the unit not freed after forward",
              ["test_hpz_memory"], "whole gathered copy", "hpz_class", HPZ_KEEPS_WHOLE_UNIT),
-    _student("hpz_never_drops_secondary", "the secondary shard neither taken by the gather nor dropped by _free",
+    _student("hpz_never_drops_secondary", "the secondary shard neither taken by the gather nor dropped by free()",
              ["test_hpz_memory"], "still held after backward", "hpz_class", HPZ_NEVER_DROPS_SECONDARY),
     _student("hpz_keeps_no_secondary", "the piece cut and the unit freed, the piece never stored",
              ["test_hpz_memory"], "No secondary shard is kept", "hpz_class", HPZ_KEEPS_NO_SECONDARY),
     _student("hpz_fresh_buffer", "backward's gather into a fresh tensor, not the bucket's buffer",
              ["test_hpz_traffic"], "a tensor of its own", "hpz_class", HPZ_FRESH_BUFFER),
-    _student("hpz_synchronous_gather", "a synchronous gather that sets _full itself, nothing in _gathering",
+    _student("hpz_synchronous_gather", "a synchronous gather that sets self.full itself, nothing in self.gathering",
              ["test_hpz_traffic"], "recorded no transfer", "hpz_class", HPZ_SYNCHRONOUS),
     _student("hpz_no_guard", "the secondary branch without the guard for a bucket full or on its way",
              ["test_hpz_traffic"], "while bucket", "hpz_class", HPZ_NO_GUARD),

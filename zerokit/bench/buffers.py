@@ -4,7 +4,7 @@ The demo prints these buffers beside what zerokit.memory.MemoryProbe measured, a
 tests/test_memory.py checks the probe against them. They are computed from the optimizer's
 buckets, units and the order its units ran in, so they read those internals: `opt.buckets`
 (each bucket's param_numel, numels, shard_numel, padded_numel), under ZeRO-3 `opt.bucket_units`,
-`opt.world_size`, `opt.max_in_flight`, `opt.units`, `opt._order` and `opt._last_order`.
+`opt.world_size`, `opt.max_in_flight`, `opt.units` and `opt.forward_order`.
 """
 
 from zerokit.stages import get_stage
@@ -26,7 +26,7 @@ def buffer_bytes(stage, opt, model=None):
       gathered from forward to the end of backward, and while one unit computes the next
       (in forward order, or the previous one in backward) is being gathered (prefetch).
     - ZeRO-3, gradients: as ZeRO-2's, with one bucket per unit, except that a new all-gather
-      first receives every transfer in flight (ShardedParameters._start_gather): each
+      first receives every transfer in flight (ShardedParameters.start_gather): each
       unit's backward hook prefetches the next (all but the last, whose next is the root,
       gathered already), so its gradients fill with none of them left; and the root unit's
       gradients waiting, counted whole, until it is sent last, right after (in the same
@@ -35,7 +35,7 @@ def buffer_bytes(stage, opt, model=None):
       forward). Counting it whole is an upper bound by what has not arrived yet.
     The "buffer" is the peak minus the paper's figure; every shard and flat copy counted
     includes its padding (the end's, and the gaps that align each parameter: zerokit.flat).
-    These are the moments the probe can see, between hooks: inside one `_send` a bucket's
+    These are the moments the probe can see, between hooks: inside one `send` a bucket's
     .grad and its new flat copy coexist for an instant, next to a third transfer not yet
     awaited, which only the allocator's peak would show.
     """
@@ -74,7 +74,7 @@ def gradient_peak(opt, names=None):
     units = getattr(opt, "bucket_units", [None] * len(buckets))  # ZeRO-3: the unit of each bucket
     held = [u == 0 for u in units]  # ZeRO-3's root unit (see above)
     label = [f"bucket {i}" if u is None else _unit_name(opt, u, names or {}) for i, u in enumerate(units)]
-    drains = bool(units) and units[0] is not None and getattr(opt, "prefetch", False)  # ZeRO-3: _start_gather drains first
+    drains = bool(units) and units[0] is not None and getattr(opt, "prefetch", False)  # ZeRO-3: start_gather drains first
     last_unit = max((i for i, is_held in enumerate(held) if not is_held), default=None)
     shards, flight, moments = 0, [], []
     for i, b in enumerate(buckets):
@@ -100,7 +100,7 @@ def gathered_peak(opt, names=None):
     size = {u: FP32 * sum(b.padded_numel for b, v in zip(opt.buckets, opt.bucket_units) if v == u)
             for u in range(len(opt.units))}
     shards = FP32 * sum(b.shard_numel for b in opt.buckets)
-    order = [u for u in (opt._order or opt._last_order) if u != 0]  # the forward order of the last step
+    order = [u for u in opt.forward_order if u != 0]  # the forward order of the last step
     pairs = [(order[0],)] + list(zip(order, order[1:]))
     pair = max(pairs, key=lambda us: sum(size[u] for u in us))
     label = " + ".join(_unit_name(opt, u, names or {}) for u in pair)

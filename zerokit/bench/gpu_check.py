@@ -186,7 +186,7 @@ def _warm_up(rank, world_size, device):
 def _shard_weights(opt):
     """The weights this rank's Adam updates, flat and on the CPU: the fp32 master under mixed precision
     (in host memory or files when offloaded), else the fp32 shard of the flat weights."""
-    return {"shards": torch.cat([opt._param_shard(i)[:].detach().to("cpu", torch.float32, copy=True)
+    return {"shards": torch.cat([opt.weight_shard(i)[:].detach().to("cpu", torch.float32, copy=True)
                                  for i in range(len(opt.buckets))])}  # [:]: a tensor, also of a DiskTensor
 
 

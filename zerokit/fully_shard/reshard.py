@@ -26,10 +26,10 @@ the numbers are bit for bit ZeRO-3's. `k = N` is `True`, and `k = 1` is `False` 
 shard" over one rank is the whole unit), as in FSDP2.
 
 `None` is ZeRO3Adam's own behaviour and FSDP2's default. The machinery is ZeRO3Adam's, with
-two hooks changed: what `_post_forward` leaves (free, keep, or keep a secondary shard) and
-where `_start_gather` gathers from (the shards over all N ranks, or the secondary shards over
+two hooks changed: what `post_forward` leaves (free, keep, or keep a secondary shard) and
+where `start_gather` gathers from (the shards over all N ranks, or the secondary shards over
 the node's k). Lesson 11's hpZ is this class with an int (`zerokit.zeropp.ZeROppAdam` adds qwZ to
-it), and its exercise, `MyHpZAdam`, writes `_keep_secondary`, `_start_gather` and `_free` as they
+it), and its exercise, `MyHpZAdam`, writes `keep_secondary`, `start_gather` and `free` as they
 are here, less what is labelled beyond the exercise (tests/test_reference_reads_as_lesson.py).
 """
 
@@ -102,7 +102,7 @@ class ReshardZeRO3Adam(ZeRO3Adam):
         super().__init__(module, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, units=units,
                          prefetch=prefetch, group=group, precision=precision, offload=offload, foreach=foreach)
         self.set_reshard_after_forward(reshard_after_forward)
-        self._secondary = [None] * len(self.buckets)  # bucket -> (its secondary shard, node group), while held
+        self.secondary = [None] * len(self.buckets)  # bucket -> (its secondary shard, node group), while held
         self._ran = [set() for _ in self.units]  # a group's modules whose forward ran in this forward
 
     def set_reshard_after_forward(self, value, units=None):
@@ -115,61 +115,61 @@ class ReshardZeRO3Adam(ZeRO3Adam):
         sizes = {p for p in self.after_forward if not isinstance(p, bool)}
         self.node_groups = {k: node_group(k, self.group) for k in sizes}
 
-    def _record(self, u, module, args):
+    def record_order(self, u, module, args):
         if u == 0 and not in_backward():  # a new forward
             self._ran = [set() for _ in self.units]
-        super()._record(u, module, args)
+        super().record_order(u, module, args)
 
-    def _post_forward(self, u, module, args, output):
+    def post_forward(self, u, module, args, output):
         """Unit u's forward is done: hook its outputs for the backward gather (ZeRO-3), and leave
         it as its policy says: free (True), full (False), or a secondary shard (k). A group (FSDP2's
         fully_shard([a, b])) is left so once all of its modules' forwards have run."""
         if in_backward() or not torch.is_grad_enabled():  # a recomputation; or no backward to come: free it
-            return super()._post_forward(u, module, args, output)
+            return super().post_forward(u, module, args, output)
         tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-        if tensors:  # as ZeRO3Adam._post_forward
-            register_multi_grad_hook(tensors, partial(weak_hook(self._pre_backward), u), mode="any")
+        if tensors:  # as ZeRO3Adam.post_forward
+            register_multi_grad_hook(tensors, partial(weak_hook(self.pre_backward), u), mode="any")
         self._ran[u].add(id(module))
         if len(self._ran[u]) < len(members(self.units[u])):
             return  # a group whose other modules are still to run: it stays gathered for them
         policy = self.after_forward[u]
-        for bi in self._buckets_of_unit[u]:
+        for bi in self.buckets_of_unit[u]:
             if policy is True:
-                self._free(bi)
+                self.free(bi)
             elif policy is not False:
-                self._keep_secondary(bi, self.node_groups[policy])
+                self.keep_secondary(bi, self.node_groups[policy])
 
     @torch.no_grad()
-    def _keep_secondary(self, bi, node):
+    def keep_secondary(self, bi, node):
         """Keep this rank's 1/k of bucket bi's gathered buffer (k = the node's size), free the rest."""
-        if self._full[bi] is None:  # not gathered (a unit that did not compute): nothing to keep
+        if self.full[bi] is None:  # not gathered (a unit that did not compute): nothing to keep
             return
         k, j = dist.get_world_size(node), dist.get_rank(node)
         piece = self.buckets[bi].padded_numel // k  # N divides the padded size, and k divides N
-        secondary = self._full[bi][j * piece:(j + 1) * piece].clone()
-        self._free(bi)
-        self._secondary[bi] = (secondary, node)
+        secondary = self.full[bi][j * piece:(j + 1) * piece].clone()
+        self.free(bi)
+        self.secondary[bi] = (secondary, node)
 
-    def _start_gather(self, bi):
+    def start_gather(self, bi):
         """Gather bucket bi from its secondary shards inside the node if it has them, else from the
-        shards over all ranks (ShardedParameters._start_gather)."""
-        if self._secondary[bi] is None or self._full[bi] is not None or bi in self._gathering:
-            return super()._start_gather(bi)
-        for other in list(self._gathering):  # beyond the exercise (lesson 11): one transfer at a time, as
-            self._finish_gather(other)  # ShardedParameters._start_gather
+        shards over all ranks (ShardedParameters.start_gather)."""
+        if self.secondary[bi] is None or self.full[bi] is not None or bi in self.gathering:
+            return super().start_gather(bi)
+        for other in list(self.gathering):  # beyond the exercise (lesson 11): one transfer at a time, as
+            self.finish_gather(other)  # ShardedParameters.start_gather
         while self._in_flight:  # beyond the exercise (lesson 11)
             self._receive()
-        (secondary, node), self._secondary[bi] = self._secondary[bi], None  # the gather holds it until done
-        full = self._gather_buffer(bi, secondary)
+        (secondary, node), self.secondary[bi] = self.secondary[bi], None  # the gather holds it until done
+        full = self.gather_buffer(bi, secondary)
         work = all_gather(full, secondary, group=node, async_op=True)
-        self._gathering[bi] = (work, full, secondary)
+        self.gathering[bi] = (work, full, secondary)
 
-    def _free(self, bi):
+    def free(self, bi):
         """Bucket bi back to its shard only: its secondary shard goes too."""
-        self._secondary[bi] = None
-        super()._free(bi)
+        self.secondary[bi] = None
+        super().free(bi)
 
     def memory_categories(self):
         cats = super().memory_categories()
-        cats["parameters"] = cats["parameters"] + [s for s, _ in filter(None, self._secondary)]
+        cats["parameters"] = cats["parameters"] + [s for s, _ in filter(None, self.secondary)]
         return cats

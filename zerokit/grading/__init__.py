@@ -51,8 +51,8 @@ the student's code, under the same names, plus what only its lesson has:
                           check_answers            check your understanding
     08 beyond model state check_saved_bytes        exercise 1: bytes autograd saves, weights left out
                           check_saved_views        ... each storage once, and all of it
-                          check_recompute          exercise 2: _pre_forward under recomputation, vs AdamW
-                          check_recompute_memory   ... _post_forward frees in forward, blocks keep their input
+                          check_recompute          exercise 2: pre_forward under recomputation, vs AdamW
+                          check_recompute_memory   ... post_forward frees in forward, blocks keep their input
                           check_recompute_traffic  ... one reduce-scatter, at most two gathers per bucket
                           check_offload_numerics   exercise 3: the disk-streamed Adam step vs AdamW
                           check_offload_memory     ... resident memory rises by chunks, not by the state

@@ -2,7 +2,7 @@ r"""Checks for lesson 04 (ZeRO-2): gradients reduce-scattered in buckets during 
 
 The student's class builds on zerokit.ZeRO1Adam (lesson 03's reference: Adam on the
 shard, all-gather of the weights) and writes the three methods that make it ZeRO-2:
-`_on_grad_ready` (the post-accumulate-grad hook), `_send` (one bucket's reduce-scatter)
+`_on_grad_ready` (the post-accumulate-grad hook), `send` (one bucket's reduce-scatter)
 and `_end_of_backward` (flush and wait). Each check runs it on real ranks, each rank on its
 own slice of the batch, and looks at one thing:
 
@@ -61,7 +61,7 @@ __all__ = ["check_numerics", "check_memory", "check_traffic", "check_unused_para
 # different summation order into weight differences of ~1e-4 at eps = 1e-8; at 1e-6, ~1e-6.
 HYPER = dict(lr=1e-2, weight_decay=0.1, eps=1e-6)
 PER_MICRO = 3  # samples per rank per micro-batch
-EXERCISE = ("_on_grad_ready", "_send", "_end_of_backward")
+EXERCISE = ("_on_grad_ready", "send", "_end_of_backward")
 
 # which of kit.SITUATIONS the hidden tests meet (tests/test_situations.py holds this to them)
 _NO_UNITS = "n/a: ZeRO-2 hooks each parameter's gradient, not modules: no unit, its outputs or its owner is involved"
@@ -420,8 +420,8 @@ class _SendWork(LazyWork):
         super().__init__(work, output)
         self.sends, self.blocking = sends, blocking
         self.index, self.issued_at = len(sends["works"]), sends["arrived"]()
-        self.issuer = sends["in_send"]  # a token of the _send call that issued it (None: issued elsewhere)
-        # at the first wait: gradients arrived and transfers issued by then, and inside which _send
+        self.issuer = sends["in_send"]  # a token of the send call that issued it (None: issued elsewhere)
+        # at the first wait: gradients arrived and transfers issued by then, and inside which send
         self.waited_at = self.issued_by_then = None
         self.in_own_send = self.in_later_send = False
 
@@ -435,7 +435,7 @@ class _SendWork(LazyWork):
 
     def waited_before_backward_went_on(self, arrived_in_all):
         """Issued from a gradient's hook and waited for in that same hook, before any later transfer:
-        nothing of backward ran while it travelled. A wait inside a later bucket's _send is a cap on
+        nothing of backward ran while it travelled. A wait inside a later bucket's send is a cap on
         the transfers in flight (section 8), and one at the end of backward has nothing left to overlap."""
         if self.waited_at is None or self.issued_at >= arrived_in_all:
             return False
@@ -451,7 +451,7 @@ _REDUCE_SCATTERS = ("reduce_scatter_single", "_reduce_scatter_base", "reduce_sca
 @contextlib.contextmanager
 def _watching_sends(opt, arrived):
     """Inside: every reduce-scatter hands the student's code a _SendWork, refuses a group other than the
-    optimizer's, and notes the _send call it came from. Yields {"works": [_SendWork, ...], ...}."""
+    optimizer's, and notes the send call it came from. Yields {"works": [_SendWork, ...], ...}."""
     sends = {"works": [], "arrived": arrived, "in_send": None}
     want = dist.get_process_group_ranks(opt.group if opt.group is not None else dist.group.WORLD)
     pg_class = dist.ProcessGroup
@@ -479,9 +479,9 @@ def _watching_sends(opt, arrived):
 
         return reduce_scatter
 
-    own_send = opt._send
+    own_send = opt.send
 
-    def send(bi, *args, **kwargs):  # through self._send: the instance's attribute comes first
+    def send(bi, *args, **kwargs):  # through self.send: the instance's attribute comes first
         outer, sends["in_send"] = sends["in_send"], object()
         try:
             return own_send(bi, *args, **kwargs)
@@ -490,13 +490,13 @@ def _watching_sends(opt, arrived):
 
     for name, fn in originals.items():
         setattr(pg_class, name, watched(fn))
-    opt._send = send
+    opt.send = send
     try:
         yield sends
     finally:
         for name, fn in originals.items():
             setattr(pg_class, name, fn)
-        vars(opt).pop("_send", None)
+        vars(opt).pop("send", None)
 
 
 def _subgroup(world_size, rank, group_ranks):
@@ -595,7 +595,7 @@ def _assert_left_to_travel(step, works, arrived_in_all, buckets, name_of):
         if work.blocking:
             how = "was issued blocking (async_op=False): the call returned only once the transfer was done"
         elif work.in_own_send:
-            how = "was waited for inside _send, right after it was issued (work.wait() there)"
+            how = "was waited for inside send(), right after it was issued (work.wait() there)"
         else:
             how = "was waited for in the hook that sent it, before backward went on"
         raise AssertionError(

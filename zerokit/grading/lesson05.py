@@ -2,21 +2,21 @@ r"""Checks for lesson 05 (ZeRO-3): parameters sharded at rest, gathered around e
 
 Two exercises. `ShardedParameters` (built on zerokit.ZeRO2Adam, lesson 04's reference)
 keeps only this rank's shard of each unit's parameters; the student writes its mechanics:
-`_start_gather` (an asynchronous all-gather), `_finish_gather` (wait, install the full
-parameters as views of the gathered buffer) and `_free` (back to empty, the buffer's
+`start_gather` (an asynchronous all-gather), `finish_gather` (wait, install the full
+parameters as views of the gathered buffer) and `free` (back to empty, the buffer's
 memory released in place: `resize_(0)`, which also frees it under the views autograd saved
-for backward; the scaffold's `_gather_buffer` re-allocates that same storage). `MyZeRO3Adam`
-builds on it and writes the hooks: `_gather_unit` (with prefetch), `_pre_forward`,
-`_post_forward` (free, and hook the outputs for the pre-backward gather), `_pre_backward`
-and `_send` (reduce-scatter, then free). Each check runs on real ranks, each rank on its
+for backward; the scaffold's `gather_buffer` re-allocates that same storage). `MyZeRO3Adam`
+builds on it and writes the hooks: `gather_unit` (with prefetch), `pre_forward`,
+`post_forward` (free, and hook the outputs for the pre-backward gather), `pre_backward`
+and `send` (reduce-scatter, then free). Each check runs on real ranks, each rank on its
 own slice of the batch, and looks at one thing:
 
 - check_gather_free           the mechanics alone: one all-gather per gather, on self.group
                               (the class is given a group of its own: an all-gather without
                               group= runs on the default group), its work waited for before
-                              _finish_gather returns (each transfer delivers its data only at
+                              finish_gather returns (each transfer delivers its data only at
                               wait(): kit.lazy_transfers), a prefetch is not gathered twice,
-                              the values are every rank's current shard in place, _free
+                              the values are every rank's current shard in place, free()
                               empties the parameters and releases the buffer's memory in
                               place (autograd's saved views of it too; and the buffer of a
                               prefetch nobody used, once its transfer is waited for), and
@@ -45,13 +45,13 @@ own slice of the batch, and looks at one thing:
                               current unit computes (and none ahead with prefetch=False), and
                               the hooks never wait for a unit's transfer before asking for the
                               next one's (calls from the hooks only: zerokit's mechanics, which
-                              carry one transfer at a time, wait inside _start_gather too).
+                              carry one transfer at a time, wait inside start_gather too).
                               Its ✓ reports what it measured, phase by phase (a ZeRO-3 that
                               never frees passes it at 2Ψ, saying so: check_memory fails it).
 
-Isolation: the hook checks give the student's MyZeRO3Adam zerokit's own `_start_gather`,
-`_finish_gather` and `_free` (and `_gather_buffer`), those of zerokit.zero3.ShardedParameters,
-so a bug in the mechanics costs check_gather_free only. They also name a `_post_forward` that
+Isolation: the hook checks give the student's MyZeRO3Adam zerokit's own `start_gather`,
+`finish_gather` and `free` (and `gather_buffer`), those of zerokit.zero3.ShardedParameters,
+so a bug in the mechanics costs check_gather_free only. They also name a `post_forward` that
 fails on a unit's output that is not one tensor (model "awkward" with units="children": `attn`
 returns a tuple, `mix` a dict).
 The single-process reference (torch.optim.AdamW) runs before the ranks start, in a one-rank
@@ -84,8 +84,8 @@ __all__ = ["check_gather_free", "check_numerics", "check_memory", "check_traffic
 # cancellation turns rounding differences of a different summation order into large Adam steps.
 HYPER = dict(lr=1e-2, weight_decay=0.1, eps=1e-6)
 PER_RANK = 3  # samples per rank per step
-MECHANICS = ("_start_gather", "_finish_gather", "_free")
-HOOKS = ("_gather_unit", "_pre_forward", "_post_forward", "_pre_backward", "_send")
+MECHANICS = ("start_gather", "finish_gather", "free")
+HOOKS = ("gather_unit", "pre_forward", "post_forward", "pre_backward", "send")
 
 # which of kit.SITUATIONS the hidden tests meet (tests/test_situations.py holds this to them)
 SITUATIONS = {
@@ -105,7 +105,7 @@ SITUATIONS = {
     "zero3": "check_numerics",  # the lesson's code is ZeRO-3 itself
     "zero-grad-shard": "n/a: the gradient shards come from the scaffold's base, zerokit.ZeRO2Adam (lesson 04's "
                        "checks); nothing the student writes here reads or reduces a gradient",
-    "out-of-order": "n/a: ZeRO-2 underneath calls the student's _send in bucket order, whatever order the "
+    "out-of-order": "n/a: ZeRO-2 underneath calls the student's send in bucket order, whatever order the "
                     "gradients arrive in, so no code of this lesson sees the arrival order",
     "fp16-scale": "n/a: lesson 05 trains in float32; mixed precision and its loss scale arrive in lesson 06",
 }
@@ -159,28 +159,28 @@ def _validate(cls, methods, expected_name):
 
 
 def with_reference_mechanics(cls):
-    """cls with zerokit's _start_gather, _finish_gather and _free (and the _gather_buffer they
+    """cls with zerokit's start_gather, finish_gather and free() (and the gather_buffer they
     call), those of zerokit.zero3.ShardedParameters: the hook checks grade the hooks, and a
-    bug in the mechanics costs check_gather_free only. Its _post_forward names a failure on
+    bug in the mechanics costs check_gather_free only. Its post_forward names a failure on
     an output that is not one tensor."""
-    names = MECHANICS + ("_gather_buffer",)
+    names = MECHANICS + ("gather_buffer",)
     methods = {name: ShardedParameters.__dict__[name] for name in names}
 
-    def _post_forward(self, u, module, args, output):
+    def post_forward(self, u, module, args, output):
         __tracebackhide__ = True
         try:
-            return cls._post_forward(self, u, module, args, output)
+            return cls.post_forward(self, u, module, args, output)
         except (AttributeError, TypeError, KeyError, IndexError, ValueError) as exc:
             if isinstance(output, torch.Tensor):
                 raise
             kind = "a dict" if isinstance(output, dict) else f"a {type(output).__name__}"
             raise AssertionError(
-                f"unit {_module_name(self.module, module)} returned {kind}, and your _post_forward failed on it "
+                f"unit {_module_name(self.module, module)} returned {kind}, and your post_forward failed on it "
                 f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}): the hook assumed one "
                 "tensor output; a module may return a tuple, a list or a dict (nn.MultiheadAttention returns a "
                 "tuple): hook every tensor among its leaves (tree_flatten) that requires grad") from None
 
-    methods["_post_forward"] = _post_forward
+    methods["post_forward"] = post_forward
     return type(cls.__name__, (cls,), methods)
 
 
@@ -224,7 +224,7 @@ def _forward(model_name, model, x, y, step):
     except RuntimeError as exc:
         if _is_shape_error(exc):
             raise AssertionError(f"step {step + 1}: forward failed ({str(exc).splitlines()[0]}): a module ran with "
-                                 "empty parameters: gather each unit in its forward pre-hook (_pre_forward)") from None
+                                 "empty parameters: gather each unit in its forward pre-hook (pre_forward)") from None
         raise
 
 
@@ -298,7 +298,7 @@ def _backward(loss, step, watch=None):
             raise AssertionError(
                 f"step {step + 1}: backward failed ({str(exc).splitlines()[0]}): autograd found a unit's parameters "
                 "empty; the weights freed after forward must be gathered again before that unit's backward "
-                "(_post_forward registers a multi-grad hook on its outputs that calls _pre_backward)") from None
+                "(post_forward registers a multi-grad hook on its outputs that calls pre_backward)") from None
         raise
 
 
@@ -323,8 +323,8 @@ def _mechanics_case(rank, world_size, cls, model_name):
     opt = cls(model, lr=HYPER["lr"], group=group)
     name_of = {p: n for n, p in model.named_parameters()}
     offsets = [float(r + 1) for r in range(world_size)]
-    # every transfer _start_gather starts delivers its data only at wait(), as a slow network would
-    with lazy_transfers(opt, "_start_gather", "_gathering") as lazies:
+    # every transfer start_gather starts delivers its data only at wait(), as a slow network would
+    with lazy_transfers(opt, "start_gather", "gathering") as lazies:
         for bi, b in enumerate(opt.buckets):
             label = bucket_label(bi, b, name_of)
             truth = _full_values(b, [full[name_of[p]] for p in b.params], world_size)
@@ -355,40 +355,40 @@ def _expect_full(opt, bi, b, what, flat, name_of):
     for p, want in zip(b.params, b.views(flat)):
         if tuple(p.shape) != tuple(want.shape):
             raise AssertionError(f"{what}: {name_of[p]} has shape {tuple(p.shape)}, expected {tuple(want.shape)}: "
-                                 "_finish_gather must make every parameter of the bucket full again "
+                                 "finish_gather must make every parameter of the bucket full again "
                                  "(p.data = a view of the gathered buffer)")
         assert_close(p.detach(), want, f"{what}: {name_of[p]}", atol=0, rtol=0)
-    full = getattr(opt, "_full", None)
+    full = getattr(opt, "full", None)
     buf = full[bi] if isinstance(full, list) and len(full) > bi else None
     if not isinstance(buf, torch.Tensor) or buf.numel() != b.padded_numel:
-        raise AssertionError(f"{what}: self._full[{bi}] should be the gathered flat buffer ({b.padded_numel} "
+        raise AssertionError(f"{what}: self.full[{bi}] should be the gathered flat buffer ({b.padded_numel} "
                              f"elements), found {type(buf).__name__}"
                              + (f" of {buf.numel()} elements" if isinstance(buf, torch.Tensor) else ""))
     strays = [name_of[p] for p in b.params if p.untyped_storage().data_ptr() != buf.untyped_storage().data_ptr()]
     if strays:
-        raise AssertionError(f"{what}: {strays[0]} is not a view of self._full[{bi}]: install the parameters as "
+        raise AssertionError(f"{what}: {strays[0]} is not a view of self.full[{bi}]: install the parameters as "
                              "views of the gathered buffer (bucket.views), so that dropping the buffer frees them")
 
 
-def _expect_empty(opt, bi, b, what, name_of, who="_free"):
+def _expect_empty(opt, bi, b, what, name_of, who="free"):
     kept = [(name_of[p], p.numel()) for p in b.params if p.numel() != 0]
     if kept:
-        fix = ("keep the scaffold's __init__ and _install_flat_params, which empty them" if who != "_free" else
-               "_free must leave every parameter of the bucket empty (p.data = an empty tensor)")
+        fix = ("keep the scaffold's __init__ and _install_flat_params, which empty them" if who != "free" else
+               "free() must leave every parameter of the bucket empty (p.data = an empty tensor)")
         raise AssertionError(f"{what}: {kept[0][0]} still holds {kept[0][1]} elements: {fix}")
-    full = getattr(opt, "_full", None)
+    full = getattr(opt, "full", None)
     if isinstance(full, list) and len(full) > bi and full[bi] is not None:
-        raise AssertionError(f"{what}: self._full[{bi}] still holds the gathered buffer: set it to None")
-    if bi in getattr(opt, "_gathering", {}):
-        raise AssertionError(f"{what}: self._gathering still has an entry for bucket {bi}: _free must wait for "
+        raise AssertionError(f"{what}: self.full[{bi}] still holds the gathered buffer: set it to None")
+    if bi in getattr(opt, "gathering", {}):
+        raise AssertionError(f"{what}: self.gathering still has an entry for bucket {bi}: free() must wait for "
                              "an all-gather still in flight (a prefetch nobody used) and drop it")
 
 
 def _expect_released(left, lead):
-    """`left` bytes still allocated in a gather's buffer after _free: say so, after `lead`."""
+    """`left` bytes still allocated in a gather's buffer after free(): say so, after `lead`."""
     if left:
         raise AssertionError(
-            f"{lead}: {left} bytes are still allocated in the buffer: _free must release the buffer of a gather "
+            f"{lead}: {left} bytes are still allocated in the buffer: free() must release the buffer of a gather "
             "still in flight (a prefetch nobody used) as it does a full unit's: wait for the transfer, then "
             "resize_(0) its storage. Otherwise every unit a data-dependent branch skips, and every prefetch "
             "that is never used, keeps a full-size buffer alive between steps")
@@ -399,12 +399,12 @@ def _storage_bytes(t):
 
 
 def _expect_waited(lazies, bi, call, label):
-    """The all-gather _start_gather started for bucket bi was waited for (wait()) by `call`."""
+    """The all-gather start_gather started for bucket bi was waited for (wait()) by `call`."""
     lazy = lazies.get(bi)
     if lazy is not None and not lazy.waited:
         raise AssertionError(
-            f"{call} of {label} never called wait() on the all-gather's work (the first entry _start_gather "
-            f"kept in self._gathering[{bi}]): an all-gather started with async_op=True may still be writing into "
+            f"{call} of {label} never called wait() on the all-gather's work (the first entry start_gather "
+            f"kept in self.gathering[{bi}]): an all-gather started with async_op=True may still be writing into "
             "its buffer until work.wait() returns, so a view installed before then holds whatever the transfer "
             "has written so far (this check's transfer delivers its data only at wait(), as a slow network "
             "does: your parameters held NaN). Pop the entry, wait, then install the views")
@@ -443,79 +443,79 @@ def _check_bucket(opt, bi, b, label, truth, name_of, full, offsets, rank, world_
         raise AssertionError(f"at rest, flat_params[{bi}] has {opt.flat_params[bi].numel()} elements, expected "
                              f"this rank's shard: {b.shard_numel} (keep the scaffold's _install_flat_params)")
 
-    # 1. _finish_gather on its own: one all-gather of the padded bucket, waited for, the right values
+    # 1. finish_gather on its own: one all-gather of the padded bucket, waited for, the right values
     lazies.pop(bi, None)
     with _GroupSpy() as comm:
-        opt._finish_gather(bi)
-    _expect_group(comm, group, f"_finish_gather({bi}) of {label}")
-    _expect_waited(lazies, bi, f"_finish_gather({bi})", label)
+        opt.finish_gather(bi)
+    _expect_group(comm, group, f"finish_gather({bi}) of {label}")
+    _expect_waited(lazies, bi, f"finish_gather({bi})", label)
     calls = [(c.op, c.numel) for c in comm.calls]
     if calls != [("all_gather", b.padded_numel)]:
-        raise AssertionError(f"_finish_gather({bi}) on an empty {label} made {calls or 'no collective'}; expected "
+        raise AssertionError(f"finish_gather({bi}) on an empty {label} made {calls or 'no collective'}; expected "
                              f"one all-gather of the padded bucket: [('all_gather', {b.padded_numel})]")
-    _expect_full(opt, bi, b, f"after _finish_gather({bi}) of {label} (every rank's shard end to end, rank r's at "
+    _expect_full(opt, bi, b, f"after finish_gather({bi}) of {label} (every rank's shard end to end, rank r's at "
                  "[r·S, (r+1)·S) of the buffer, each parameter at its offset: bucket.views)", truth, name_of)
     with CommCounter() as comm:
-        opt._finish_gather(bi)
+        opt.finish_gather(bi)
     if comm.calls:
-        raise AssertionError(f"_finish_gather({bi}) on a bucket that is already full made {len(comm.calls)} "
+        raise AssertionError(f"finish_gather({bi}) on a bucket that is already full made {len(comm.calls)} "
                              "collective(s): a unit that is already gathered must not be gathered again")
     # what autograd keeps for backward: a view of the gathered buffer (a linear layer saves weight.t())
-    saved_view = opt._full[bi][:b.numel]
-    opt._free(bi)
-    _expect_empty(opt, bi, b, f"after _free({bi}) of {label}", name_of)
+    saved_view = opt.full[bi][:b.numel]
+    opt.free(bi)
+    _expect_empty(opt, bi, b, f"after free({bi}) of {label}", name_of)
     if saved_view.untyped_storage().nbytes() != 0:
         raise AssertionError(
-            f"after _free({bi}) of {label}, a view of the gathered buffer taken before (as autograd keeps one "
+            f"after free({bi}) of {label}, a view of the gathered buffer taken before (as autograd keeps one "
             f"for backward) still has {saved_view.untyped_storage().nbytes()} bytes behind it: dropping your "
             "references does not free memory that autograd's saved views share; release it in place, "
-            "self._full[bi].untyped_storage().resize_(0)")
+            "self.full[bi].untyped_storage().resize_(0)")
 
-    # 2. a prefetch: _start_gather twice, then _finish_gather, is one all-gather
+    # 2. a prefetch: start_gather twice, then finish_gather, is one all-gather
     lazies.pop(bi, None)
     with CommCounter() as comm:
-        opt._start_gather(bi)
-        opt._start_gather(bi)
-        pending = getattr(opt, "_gathering", {}).get(bi)
+        opt.start_gather(bi)
+        opt.start_gather(bi)
+        pending = getattr(opt, "gathering", {}).get(bi)
         started_full = [name_of[p] for p in b.params if p.numel() != 0]
-        opt._finish_gather(bi)
+        opt.finish_gather(bi)
     if comm.count("all_gather") != 1:
-        raise AssertionError(f"_start_gather({bi}) twice and then _finish_gather({bi}) made "
+        raise AssertionError(f"start_gather({bi}) twice and then finish_gather({bi}) made "
                              f"{comm.count('all_gather')} all-gathers of {label}; expected 1: a bucket whose gather is "
-                             "in flight (in self._gathering) must not be gathered again, and _finish_gather must "
+                             "in flight (in self.gathering) must not be gathered again, and finish_gather must "
                              "wait for that transfer instead of starting another")
     if not (isinstance(pending, tuple) and len(pending) == 3 and hasattr(pending[0], "wait")):
-        raise AssertionError(f"after _start_gather({bi}), self._gathering[{bi}] is {type(pending).__name__}: start "
+        raise AssertionError(f"after start_gather({bi}), self.gathering[{bi}] is {type(pending).__name__}: start "
                              "the all-gather with async_op=True and keep (work, full buffer, shard) there, for "
-                             "_finish_gather to wait on")
+                             "finish_gather to wait on")
     if started_full:
-        raise AssertionError(f"right after _start_gather({bi}), {started_full[0]} is already full: _start_gather "
-                             "only starts the transfer (it may still be in flight); _finish_gather waits for it "
+        raise AssertionError(f"right after start_gather({bi}), {started_full[0]} is already full: start_gather "
+                             "only starts the transfer (it may still be in flight); finish_gather waits for it "
                              "and installs the parameters")
-    _expect_waited(lazies, bi, f"_start_gather({bi}) and then _finish_gather({bi})", label)
-    _expect_full(opt, bi, b, f"after _start_gather({bi}) and _finish_gather({bi}) of {label}", truth, name_of)
+    _expect_waited(lazies, bi, f"start_gather({bi}) and then finish_gather({bi})", label)
+    _expect_full(opt, bi, b, f"after start_gather({bi}) and finish_gather({bi}) of {label}", truth, name_of)
     if saved_view.untyped_storage().nbytes() == 0:
         raise AssertionError(
-            f"after _free({bi}) and a new gather of {label}, a view of the buffer taken before _free (as autograd "
+            f"after free({bi}) and a new gather of {label}, a view of the buffer taken before free() (as autograd "
             "keeps one for backward) still has no memory behind it: backward would fail on it. Gather into the "
-            "same buffer every time (self._gather_buffer(bi, shard)), re-allocated, not into a new tensor")
-    assert_close(saved_view, truth[:b.numel], f"a view of {label}'s gathered buffer taken before _free, after the "
+            "same buffer every time (self.gather_buffer(bi, shard)), re-allocated, not into a new tensor")
+    assert_close(saved_view, truth[:b.numel], f"a view of {label}'s gathered buffer taken before free(), after the "
                  "next gather (autograd's saved views must see the weights again)", atol=0, rtol=0)
-    opt._free(bi)
+    opt.free(bi)
 
-    # 3. a prefetch nobody used: _start_gather, then _free
+    # 3. a prefetch nobody used: start_gather, then free()
     lazies.pop(bi, None)
-    opt._start_gather(bi)
-    pending = getattr(opt, "_gathering", {}).get(bi)  # (work, buffer, shard): its shape was checked in 2.
-    opt._free(bi)
-    what = f"after _start_gather({bi}) and then _free({bi}) of {label} (a prefetch nobody used)"
+    opt.start_gather(bi)
+    pending = getattr(opt, "gathering", {}).get(bi)  # (work, buffer, shard): its shape was checked in 2.
+    opt.free(bi)
+    what = f"after start_gather({bi}) and then free({bi}) of {label} (a prefetch nobody used)"
     _expect_empty(opt, bi, b, what, name_of)
     lazy = lazies.get(bi)
     if lazy is not None and (not lazy.waited or lazy.released_first):
         raise AssertionError(
-            f"_free({bi}) of {label} while its all-gather was in flight (a prefetch nobody used) released the "
+            f"free({bi}) of {label} while its all-gather was in flight (a prefetch nobody used) released the "
             "buffer " + ("before waiting for the transfer" if lazy.waited else "without waiting for the transfer")
-            + " (work.wait(), the first entry of self._gathering[bi]): the all-gather may still be writing into "
+            + " (work.wait(), the first entry of self.gathering[bi]): the all-gather may still be writing into "
             "that memory; wait for it first, then resize_(0) its storage")
     _expect_released(_storage_bytes(pending[1]) if isinstance(pending, tuple) and len(pending) > 1 else 0,
                      f"{what}, the all-gather's buffer was not released")
@@ -523,11 +523,11 @@ def _check_bucket(opt, bi, b, label, truth, name_of, full, offsets, rank, world_
     # 4. the gather reads every rank's current shard: step() updates them in place
     with torch.no_grad():
         opt.flat_params[bi].add_(offsets[rank])
-    opt._finish_gather(bi)
+    opt.finish_gather(bi)
     moved = _full_values(b, [full[name_of[p]] for p in b.params], world_size, offsets)
     _expect_full(opt, bi, b, f"after each rank r added r + 1 to its shard (flat_params[{bi}]) and {label} was "
                  "gathered again (each rank's current shard, in its place; never a cached copy)", moved, name_of)
-    opt._free(bi)
+    opt.free(bi)
     with torch.no_grad():
         opt.flat_params[bi].sub_(offsets[rank])
 
@@ -538,13 +538,13 @@ class _ReferenceHooks:
     The methods without super() are zerokit's own; the three with it are written again here
     (a mixin's super() reaches the student's class)."""
 
-    _record = ZeRO3Adam._record
-    _next_in_forward = ZeRO3Adam._next_in_forward
-    _next_in_backward = ZeRO3Adam._next_in_backward
-    _gather_unit = ZeRO3Adam._gather_unit
-    _pre_forward = ZeRO3Adam._pre_forward
-    _post_forward = ZeRO3Adam._post_forward
-    _pre_backward = ZeRO3Adam._pre_backward
+    record_order = ZeRO3Adam.record_order
+    next_in_forward = ZeRO3Adam.next_in_forward
+    next_in_backward = ZeRO3Adam.next_in_backward
+    gather_unit = ZeRO3Adam.gather_unit
+    pre_forward = ZeRO3Adam.pre_forward
+    post_forward = ZeRO3Adam.post_forward
+    pre_backward = ZeRO3Adam.pre_backward
 
     def __init__(self, module, **kwargs):
         super().__init__(module, **kwargs)
@@ -553,11 +553,11 @@ class _ReferenceHooks:
     def _end_of_backward(self):
         super()._end_of_backward()
         for bi in range(len(self.buckets)):
-            self._free(bi)
+            self.free(bi)
 
-    def _send(self, bi):
-        super()._send(bi)
-        self._free(bi)
+    def send(self, bi):
+        super().send(bi)
+        self.free(bi)
 
 
 SKIPPING = "branch"  # BranchNet: its forward(x, use_branch=False) skips the unit `branch`
@@ -573,10 +573,10 @@ def _skipped_unit_case(rank, world_size, cls):
     seen = {}  # bucket -> weak references to every buffer its gathers used
 
     def note(*_):
-        for bi, v in list(getattr(opt, "_gathering", {}).items()):
+        for bi, v in list(getattr(opt, "gathering", {}).items()):
             if isinstance(v, tuple) and len(v) > 1 and isinstance(v[1], torch.Tensor):
                 seen.setdefault(bi, []).append(weakref.ref(v[1]))
-        for bi, t in enumerate(getattr(opt, "_full", [])):
+        for bi, t in enumerate(getattr(opt, "full", [])):
             if isinstance(t, torch.Tensor):
                 seen.setdefault(bi, []).append(weakref.ref(t))
 
@@ -634,8 +634,8 @@ def live_parameter_bytes(model, opt):
     the shards, and the gathered or in-flight buffers the optimizer holds."""
     tensors = [p for p in model.parameters() if p.requires_grad and p.numel()]
     tensors += list(getattr(opt, "flat_params", []))
-    tensors += [t for t in getattr(opt, "_full", []) if isinstance(t, torch.Tensor)]
-    tensors += [v[1] for v in getattr(opt, "_gathering", {}).values()
+    tensors += [t for t in getattr(opt, "full", []) if isinstance(t, torch.Tensor)]
+    tensors += [v[1] for v in getattr(opt, "gathering", {}).values()
                 if isinstance(v, tuple) and len(v) > 1 and isinstance(v[1], torch.Tensor)]
     sizes = {}
     for t in tensors:
@@ -697,26 +697,26 @@ def _memory_case(rank, world_size, cls, model_name, units, steps):
             if kept and not problems:
                 problems.append(f"in backward, once every gradient of {bucket_label(bi, buckets[bi], name_of)} "
                                 f"had arrived and been reduce-scattered, {kept[0]} still held its full weights: "
-                                "free a unit's parameters as soon as its gradients are sent (_send)")
+                                "free a unit's parameters as soon as its gradients are sent (send())")
         sample()
 
     handles += [p.register_post_accumulate_grad_hook(on_grad) for _, p in trainable]
     sent = set()  # the buckets whose gradients were sent in this backward
 
-    def sending(bi, send=opt._send):
+    def sending(bi, send=opt.send):
         sent.add(bi)
         send(bi)
 
-    def starting(bi, start=opt._start_gather, opt=opt):
-        if phase[0] == "backward" and bi in sent and bi not in opt._gathering and opt._full[bi] is None \
+    def starting(bi, start=opt.start_gather, opt=opt):
+        if phase[0] == "backward" and bi in sent and bi not in opt.gathering and opt.full[bi] is None \
                 and not problems:
             problems.append(f"in backward, the all-gather of {bucket_label(bi, buckets[bi], name_of)} was started after "
                             "its gradients had been sent (its backward was over, nothing needs it again): a prefetch "
                             "in backward must be of the unit whose backward comes next, the one before it in forward "
-                            "(_next_in_backward), not the next one in forward order")
+                            "(next_in_backward), not the next one in forward order")
         start(bi)
 
-    opt._send, opt._start_gather = sending, starting  # the hooks and zerokit's mechanics call them through self
+    opt.send, opt.start_gather = sending, starting  # the hooks and zerokit's mechanics call them through self
     for step in range(steps):
         x, y = _my_slice(model_name, step, world_size, rank)
         phase[0] = "forward"
@@ -798,11 +798,11 @@ def _comm_case(rank, world_size, cls, model_name, units, steps):
         regathered = []  # buckets whose all-gather was issued in backward after they were sent
         waits = []  # (phase, bucket waited for, the buckets full or on their way at that moment)
 
-        asked = set()  # the buckets the hooks asked to gather (_start_gather) in this phase
+        asked = set()  # the buckets the hooks asked to gather (start_gather) in this phase
         depth = [0]  # calls from the hooks are at depth 0; zerokit's mechanics call each other
 
-        def counting(bi, start=opt._start_gather, opt=opt):
-            fresh = bi not in opt._gathering and opt._full[bi] is None
+        def counting(bi, start=opt.start_gather, opt=opt):
+            fresh = bi not in opt.gathering and opt.full[bi] is None
             if depth[0] == 0:
                 asked.add(bi)
             depth[0] += 1
@@ -810,36 +810,36 @@ def _comm_case(rank, world_size, cls, model_name, units, steps):
                 start(bi)
             finally:
                 depth[0] -= 1
-            if fresh and bi in opt._gathering:
+            if fresh and bi in opt.gathering:
                 issued[phase[0]].append(bi)
                 if phase[0] == "backward" and bi in sent:
                     regathered.append(bi)
 
-        def finishing(bi, finish=opt._finish_gather, opt=opt):
+        def finishing(bi, finish=opt.finish_gather, opt=opt):
             # the hooks wait for a transfer here (started now, or earlier): which had they asked for?
-            if depth[0] == 0 and opt._full[bi] is None:
+            if depth[0] == 0 and opt.full[bi] is None:
                 waits.append((phase[0], bi, asked | {b for b in range(len(opt.buckets))
-                                                     if b in opt._gathering or opt._full[b] is not None}))
+                                                     if b in opt.gathering or opt.full[b] is not None}))
             depth[0] += 1
             try:
                 finish(bi)
             finally:
                 depth[0] -= 1
 
-        def sending(bi, send=opt._send):
+        def sending(bi, send=opt.send):
             sent.add(bi)
             send(bi)
 
-        # the hooks and zerokit's _finish_gather call them through self
-        opt._start_gather, opt._finish_gather, opt._send = counting, finishing, sending
+        # the hooks and zerokit's finish_gather call them through self
+        opt.start_gather, opt.finish_gather, opt.send = counting, finishing, sending
 
         def pre(module, args, bi):
             events.append(("forward", bi, counter[0].count("all_gather")))
 
         def ready(bi, opt=opt):
-            """Bucket bi full, or its all-gather issued (in self._gathering, the reference's
+            """Bucket bi full, or its all-gather issued (in self.gathering, the reference's
             bookkeeping: the hook checks run with zerokit's mechanics)."""
-            return bi in opt._gathering or all(p.numel() != 0 for p in opt.buckets[bi].params)
+            return bi in opt.gathering or all(p.numel() != 0 for p in opt.buckets[bi].params)
 
         def post(module, args, output, bi):
             tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -872,7 +872,7 @@ def _comm_case(rank, world_size, cls, model_name, units, steps):
                 loss = _forward(model_name, model, x, y, step)
             # the units forward left with only their shard (freed, nothing in flight): backward must gather them
             freed = {bi for bi, b in enumerate(buckets)
-                     if bi not in opt._gathering and all(p.numel() == 0 for p in b.params)}
+                     if bi not in opt.gathering and all(p.numel() == 0 for p in b.params)}
             phase[0] = "backward"
             asked.clear()
             with CommCounter() as bwd:
@@ -904,7 +904,7 @@ def _check_regathered(step, regathered, names):
         raise AssertionError(
             f"step {step + 1}: in backward, {names[bi]}'s all-gather was issued after its gradients had been sent (its "
             "backward was already over): a prefetch in backward must be of the unit whose backward comes next, "
-            "the one before it in forward (_next_in_backward), not the next one in forward order; this gather "
+            "the one before it in forward (next_in_backward), not the next one in forward order; this gather "
             "moves a unit nobody needs and keeps it until backward ends")
 
 
@@ -931,7 +931,7 @@ def _check_wait_order(step, waits, unit_order, unit_of_bucket, names, prefetch):
             f"{names[nxt]}'s, the unit that comes next: {names[nxt]}'s transfer still overlaps {names[bi]}'s compute, "
             f"but not the wait for {names[bi]}'s own transfer, so the two travel one after the other. Where a unit's "
             "transfer has not arrived when its turn comes (forward's first unit's never has), that wait is "
-            "time the next transfer could have used: in _gather_unit, start the next unit's gather before waiting "
+            "time the next transfer could have used: in gather_unit, start the next unit's gather before waiting "
             "for this one's")
     return overlapped, checked
 
@@ -973,7 +973,7 @@ def _check_traffic(step, fwd, bwd, buckets, events, names, prefetch, model, unit
             "in flight, must not be gathered again, and a prefetch must be of the unit that runs next")
     if bwd.count("reduce_scatter") != len(buckets):
         raise AssertionError(f"step {step + 1}: backward made {bwd.count('reduce_scatter')} reduce-scatters; "
-                             f"expected one per bucket ({len(buckets)}): _send must call ZeRO-2's _send (super)")
+                             f"expected one per bucket ({len(buckets)}): send() must call ZeRO-2's (super().send(bi))")
     # the k-th unit to run was prefetched if its all-gather was issued before its own pre-hook
     forward = [(bi, c) for phase, bi, c in events if phase == "forward"]
     ahead = {"forward": (sum(c >= k + 1 for k, (_, c) in enumerate(forward) if k > 0), max(len(forward) - 1, 0))}
@@ -982,7 +982,7 @@ def _check_traffic(step, fwd, bwd, buckets, events, names, prefetch, model, unit
             raise AssertionError(
                 f"step {step + 1}: when {names[bi]}'s forward was about to begin, its all-gather had not been issued "
                 f"({c} in this forward, for the {k} unit(s) before it): with prefetch, each unit's gather starts "
-                "while the unit before it computes (in _gather_unit, before waiting for the current unit's)")
+                "while the unit before it computes (in gather_unit, before waiting for the current unit's)")
         if not prefetch and c != k:
             raise AssertionError(
                 f"step {step + 1}, prefetch=False: when {names[bi]}'s forward was about to begin, {c} all-gather(s) "
@@ -1000,7 +1000,7 @@ def _check_traffic(step, fwd, bwd, buckets, events, names, prefetch, model, unit
             raise AssertionError(
                 f"step {step + 1}: when {names[bi]}'s backward was about to begin, its parameters were empty "
                 "and no all-gather of them had been issued: with prefetch, the unit whose backward comes next "
-                "(the one before it in forward order: _next_in_backward) is gathered while the current one computes")
+                "(the one before it in forward order: next_in_backward) is gathered while the current one computes")
     ahead["backward"] = (sum(backward), len(backward))
     return ahead
 
@@ -1012,9 +1012,9 @@ def _check_traffic(step, fwd, bwd, buckets, events, names, prefetch, model, unit
 @renamed_args(kind="model")
 def check_gather_free(cls, world_size=2, model="mlp", timeout=60.0):
     """ShardedParameters' mechanics, bucket by bucket, the class given a process group of its
-    own: _finish_gather makes one all-gather, on that group, and installs every rank's current
-    shard in place, as views of self._full[bi]; _start_gather starts it asynchronously and is
-    not repeated; _free empties the parameters, releases the buffer's memory in place (a view
+    own: finish_gather makes one all-gather, on that group, and installs every rank's current
+    shard in place, as views of self.full[bi]; start_gather starts it asynchronously and is
+    not repeated; free() empties the parameters, releases the buffer's memory in place (a view
     taken before, as autograd keeps, has no bytes left), and waits for a prefetch nobody used
     before it releases that buffer too; the next gather refills
     that same storage; no copy of the gathered weights survives. Then real steps under
@@ -1025,8 +1025,8 @@ def check_gather_free(cls, world_size=2, model="mlp", timeout=60.0):
     res = run_on_ranks(_gather_free_case, world_size, args=(cls, model), what=f"{cls.__name__} on {model}",
                        timeout=timeout)
     passed(f"{cls.__name__} gathers and frees correctly on {world_size} ranks ({model}, {res[0]['buckets']} buckets): "
-           "one all-gather per gather, on the group it was given, its work waited for before _finish_gather returned, "
-           "prefetches not repeated, every rank's current shard in place, the buffer's memory released by _free "
+           "one all-gather per gather, on the group it was given, its work waited for before finish_gather returned, "
+           "prefetches not repeated, every rank's current shard in place, the buffer's memory released by free() "
            "(under autograd's saved views too, and for a prefetch nobody used, once its transfer was waited for) and "
            "refilled by the next gather; in real steps under zerokit's hooks, a unit the model skipped left no "
            "buffer allocated")

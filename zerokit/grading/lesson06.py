@@ -125,6 +125,11 @@ class ReferenceScaler:
         self._scaler.update(self.found_inf)
         return not self.found_inf
 
+    def back_off(self):
+        """The scale backs off as after an overflow, for a step that never happened: no update
+        counted, found_inf left as it is (a twin run skipping a step keeps the run's scale)."""
+        self._scaler.update(True)
+
 
 # ---------------------------------------------------------------------------------------
 # exercise (a): the scaler
@@ -600,7 +605,7 @@ def _twin(rank, world_size, cls, name, dtype, steps, skipped):
     out = []
     for step in range(steps):
         if step == skipped:  # not a skipped step: no step at all, as if that batch never came
-            scaler._scaler.update(True)  # ... but the scale backs off as the run's did
+            scaler.back_off()  # ... but the scale backs off as the run's did
             out.append(None)
             continue
         x, y = rank_batch(name, step, GLOBAL_BATCH, rank, world_size)

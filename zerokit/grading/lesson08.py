@@ -13,24 +13,24 @@ node's saved tensors (`grad_fn._saved_*`).
                         attention's q, k, v, sin x * cos of x flattened, a slice,
                         x.t() * x.t()): each storage once, and all of it.
 
-Exercise 2, `RecomputingZeRO3` (on zerokit.ZeRO3Adam): `_pre_forward` and `_post_forward`
+Exercise 2, `RecomputingZeRO3` (on zerokit.ZeRO3Adam): `pre_forward` and `post_forward`
 that also do the right thing when backward recomputes a checkpointed block (in_backward()).
 The zoo's transformer runs with both blocks checkpointed (zerokit.activations.
 checkpoint_modules, non-reentrant) and ZeRO-3's default units, which lie inside them. Each
 check grades one hook and gives the student's class zerokit's version of the other (and
 zerokit's own recompute handling refuses to run for the student's code):
-- check_recompute         `_pre_forward` (zerokit's `_post_forward`): weights, m and v equal
+- check_recompute         `pre_forward` (zerokit's `post_forward`): weights, m and v equal
                           torch.optim.AdamW after every step, so the recomputation ran on full
                           parameters; in backward no unit is gathered twice (a prefetch in
                           forward order fetches a unit whose backward is over);
-- check_recompute_memory  `_post_forward` in forward (zerokit's `_pre_forward`): every unit
+- check_recompute_memory  `post_forward` in forward (zerokit's `pre_forward`): every unit
                           but the root freed right after its forward although its block is
                           checkpointed, every parameter empty and the model state 12 Psi/N at
                           rest (after an eval forward under no_grad too), and the saved
                           activations of a block are its input only; model="awkward": a root
                           unit that owns a tied embedding stays gathered from its forward to
                           the end of backward, recomputations included;
-- check_recompute_traffic `_post_forward` in a recomputation (zerokit's `_pre_forward`): each
+- check_recompute_traffic `post_forward` in a recomputation (zerokit's `pre_forward`): each
                           bucket reduce-scattered once and gathered at most twice per step: a
                           recomputed unit stays gathered for the backward that follows.
 
@@ -274,7 +274,7 @@ CHECKPOINTED = {"transformer": lambda net: {f"blocks.{i}": b for i, b in enumera
 HYPER = dict(lr=1e-2, weight_decay=0.1, eps=1e-6)  # eps 1e-6: see zerokit.grading.lesson05
 PER_RANK = 2
 STEPS = 3
-PRE, POST = ("_pre_forward", "_pre_recompute"), ("_post_forward", "_post_recompute")
+PRE, POST = ("pre_forward", "_pre_recompute"), ("post_forward", "_post_recompute")
 _ZEROKIT = {name: ZeRO3Adam.__dict__[name] for name in PRE + POST}  # taken before any check refuses them
 _REFUSE_RECOMPUTE = [
     (ZeRO3Adam, name, f"your hooks called zerokit.ZeRO3Adam.{name}, zerokit's own handling of a recomputation: "
@@ -292,23 +292,23 @@ def _graded(cls, graded):
     keep = POST if graded == "pre" else PRE
     body = {name: _ZEROKIT[name] for name in keep}
 
-    def _start_gather(self, bi):
-        starting = self._full[bi] is None and bi not in self._gathering
-        ShardedParameters._start_gather(self, bi)  # lesson 05's mechanics (zerokit's)
+    def start_gather(self, bi):
+        starting = self.full[bi] is None and bi not in self.gathering
+        ShardedParameters.start_gather(self, bi)  # lesson 05's mechanics (zerokit's)
         if starting:
             self.gather_log.append((in_backward(), bi))
 
-    def _send(self, bi):
+    def send(self, bi):
         self.send_log.append(bi)
-        ZeRO3Adam._send(self, bi)
+        ZeRO3Adam.send(self, bi)
 
-    body.update(_start_gather=_start_gather, _send=_send)
+    body.update(start_gather=start_gather, send=send)
     return type(cls.__name__, (cls,), body)
 
 
 def _validate_hooks(cls):
     check_class(cls, "your class (RecomputingZeRO3)", base=ZeRO3Adam,
-                base_hint="keep the scaffold's base, zerokit.ZeRO3Adam", methods=("_pre_forward", "_post_forward"),
+                base_hint="keep the scaffold's base, zerokit.ZeRO3Adam", methods=("pre_forward", "post_forward"),
                 written_in=(ZeRO3Adam,))
 
 
@@ -338,7 +338,7 @@ def _train_step(model, opt, step, rank, world_size, model_name):
     except RuntimeError as exc:
         if _is_shape_error(exc):
             raise AssertionError(f"step {step + 1}: forward failed ({str(exc).splitlines()[0]}): a unit ran with "
-                                 "empty parameters: in forward, _pre_forward gathers the unit") from None
+                                 "empty parameters: in forward, pre_forward gathers the unit") from None
         raise
     try:
         loss.backward()
@@ -347,7 +347,7 @@ def _train_step(model, opt, step, rank, world_size, model_name):
             raise AssertionError(
                 f"step {step + 1}: backward failed ({str(exc).splitlines()[0]}): the recomputation of a checkpointed "
                 "block ran a unit whose parameters were freed after its forward: when backward recomputes a unit "
-                "(in_backward() is True), _pre_forward must gather it") from None
+                "(in_backward() is True), pre_forward must gather it") from None
         raise
 
 
@@ -382,7 +382,7 @@ def _memory_case(rank, world_size, cls, model_name):
     problems, peak = [], [0]
     units = {m: n or "(root)" for n, m in model.named_modules()}
     shard_bytes = 4 * sum(b.shard_numel for b in opt.buckets)
-    root = [p for bi in opt._buckets_of_unit[0] for p in opt.buckets[bi].params]  # a tied embedding, say
+    root = [p for bi in opt.buckets_of_unit[0] for p in opt.buckets[bi].params]  # a tied embedding, say
 
     def root_freed():
         return next((names[p] for p in root if not p.numel()), None)
@@ -392,17 +392,17 @@ def _memory_case(rank, world_size, cls, model_name):
             return
         if in_backward():  # a recomputation runs in the middle of the backward that needs the root
             if root_freed():
-                problems.append(f"during backward, after the recomputed forward of {units[module]}, your _post_forward "
+                problems.append(f"during backward, after the recomputed forward of {units[module]}, your post_forward "
                                 f"had freed the root unit's {root_freed()}: a recomputation frees nothing, and the "
                                 "root stays gathered until backward ends (gradients still to come land in its "
-                                "parameters; _send and the end of backward free it)")
+                                "parameters; send() and the end of backward free it)")
             return
         if u == 0 and torch.is_grad_enabled() and root_freed():
-            problems.append(f"right after the forward, your _post_forward freed the root unit's {root_freed()} "
+            problems.append(f"right after the forward, your post_forward freed the root unit's {root_freed()} "
                             "although backward comes: free every unit but the root, which stays gathered until "
                             "backward ends (its parameters, here a tied embedding, get gradients from the first "
                             "backward and the last)")
-        full = [names[p] for bi in opt._buckets_of_unit[u] for p in opt.buckets[bi].params if p.numel()]
+        full = [names[p] for bi in opt.buckets_of_unit[u] for p in opt.buckets[bi].params if p.numel()]
         if u != 0 and full:
             problems.append(f"right after {units[module]}'s forward, {full[0]} still held its full weights: free "
                             "every unit after its forward, also inside a checkpointed block; backward's "
@@ -452,9 +452,9 @@ def _memory_case(rank, world_size, cls, model_name):
     if grown > 3 * shard_bytes + max(2048, psi):
         raise AssertionError(f"between steps this rank holds {grown} bytes of model state; its shards with Adam's m "
                              f"and v are {3 * shard_bytes}: something keeps full-size buffers alive")
-    root_bytes = sum(4 * opt.buckets[bi].padded_numel for bi in opt._buckets_of_unit[0])
+    root_bytes = sum(4 * opt.buckets[bi].padded_numel for bi in opt.buckets_of_unit[0])
     sizes = sorted((4 * opt.buckets[bi].padded_numel for u in range(1, len(opt.units))
-                    for bi in opt._buckets_of_unit[u]), reverse=True)
+                    for bi in opt.buckets_of_unit[u]), reverse=True)
     bound = shard_bytes + root_bytes + sum(sizes[:2])
     if peak[0] > bound:
         raise AssertionError(f"inside forward this rank held up to {peak[0]} bytes of parameters; its shards, the root "
@@ -487,7 +487,7 @@ def _traffic_case(rank, world_size, cls, model_name):
                     f"step {step + 1}: {bucket_label(bi, opt.buckets[bi], names)} was all-gathered {gathers[bi]} "
                     "times in one step, at most 2 (forward, backward): freed at the end of its recomputation, it "
                     "had to be gathered again for the backward that follows; inside backward, keep the unit "
-                    "gathered after its forward (_send frees it once its gradients are sent)")
+                    "gathered after its forward (send() frees it once its gradients are sent)")
             opt.step()
             opt.zero_grad()
             rows.append({"gathers": comm.volume("all_gather"), "reduce_scatters": comm.volume("reduce_scatter")})
@@ -495,7 +495,7 @@ def _traffic_case(rank, world_size, cls, model_name):
 
 
 def check_recompute(cls, world_size=2, model=MODEL, timeout=60.0):
-    """_pre_forward under recomputation: checkpointed blocks train exactly like AdamW on one
+    """pre_forward under recomputation: checkpointed blocks train exactly like AdamW on one
     process (the recomputation ran on full parameters), and no unit is gathered twice in backward."""
     __tracebackhide__ = True
     _validate_hooks(cls)
@@ -508,7 +508,7 @@ def check_recompute(cls, world_size=2, model=MODEL, timeout=60.0):
 
 
 def check_recompute_memory(cls, world_size=2, model=MODEL, timeout=60.0):
-    """_post_forward in forward: every unit but the root freed right after its forward although its
+    """post_forward in forward: every unit but the root freed right after its forward although its
     block is checkpointed, the root kept until backward ends (model="awkward": a root that owns a tied
     embedding); parameters empty and model state 12 Psi/N at rest, after an eval forward under
     no_grad too; each block keeps its input only."""
@@ -524,7 +524,7 @@ def check_recompute_memory(cls, world_size=2, model=MODEL, timeout=60.0):
 
 
 def check_recompute_traffic(cls, world_size=2, model=MODEL, timeout=60.0):
-    """_post_forward in a recomputation: each bucket reduce-scattered once and all-gathered at
+    """post_forward in a recomputation: each bucket reduce-scattered once and all-gathered at
     most twice per step: the recomputation costs no communication."""
     __tracebackhide__ = True
     _validate_hooks(cls)

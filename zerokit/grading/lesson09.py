@@ -273,7 +273,7 @@ class _NotedWork:
     """A collective's work, noted until its wait() is called."""
 
     def __init__(self, work, unwaited, what):
-        self._work, self._unwaited, self._what = work, unwaited, what
+        self._work, self._unwaited, self.what = work, unwaited, what  # what: the collective, in words
         unwaited.append(self)
 
     def wait(self, *args, **kwargs):
@@ -309,7 +309,7 @@ def _step_watched(opt, step, group, names, everyone_has):
                    "matrix, all-reduced")
         raise AssertionError(f"step {step + 1}: {exc}.{why or ' Every rank must call the same collectives in the same order'}") from None
     if watch.unwaited:
-        what = watch.unwaited[0]._what
+        what = watch.unwaited[0].what
         raise AssertionError(
             f"step {step + 1}: step() returned while {len(watch.unwaited)} of its collectives started with "
             f"async_op=True had not been waited for (the first: {what}): until work.wait() returns, the result may "

@@ -1,16 +1,16 @@
 r"""Checks for lesson 11 (ZeRO++ and hybrid sharding): hpZ and qwZ on ranks laid out as nodes.
 
-    check_hpz_numerics(cls, world_size=4, node_size=2, ...)  your _keep_secondary: right after each forward,
+    check_hpz_numerics(cls, world_size=4, node_size=2, ...)  your keep_secondary: right after each forward,
                                                              each secondary shard kept is this rank's 1/k of
                                                              its unit, a copy; bit for bit zerokit.ZeRO3Adam
                                                              in the same ranks on the same data (losses,
                                                              gradient shards, weights after each step), within
                                                              rounding of one process running torch.optim.AdamW
-    check_hpz_traffic(cls, ...)                              your _start_gather: forward's all-gathers span the
+    check_hpz_traffic(cls, ...)                              your start_gather: forward's all-gathers span the
                                                              nodes (4Ψ), backward's stay inside the node (4Ψ,
                                                              0 across), the reduce-scatters as ZeRO-3's; a
                                                              gather that cannot work named before it runs
-    check_hpz_memory(cls, ...)                               your _keep_secondary and _free: between forward and
+    check_hpz_memory(cls, ...)                               your keep_secondary and free(): between forward and
                                                              backward the shards and the secondary shards,
                                                              Ψ/N + Ψ/k; after backward, after an eval forward:
                                                              ZeRO-3's, nothing kept
@@ -32,8 +32,8 @@ group spans nodes counts whole as inter-node (ZeRO++'s accounting).
 
 One bug costs one check. Each hpZ check grades one method of the student's class and gives it
 zerokit's version of the others (the solution's, `_reference_*` below): numerics the piece
-`_keep_secondary` keeps, traffic where `_start_gather` gathers, memory what `_keep_secondary` keeps and
-`_free` drops (beside a reference gather that leaves the secondary shard where it is, so that a `_free`
+`keep_secondary` keeps, traffic where `start_gather` gathers, memory what `keep_secondary` keeps and
+`free` drops (beside a reference gather that leaves the secondary shard where it is, so that a `free`
 that never drops it shows). The qwZ gather check runs the student's gather with zerokit's
 quantize_blocks and dequantize_blocks in place of the student's (the names it calls), so a quantiser bug
 costs check_quantize, and a layout bug the gather check. check_qwz_training runs the student's quantiser
@@ -54,14 +54,14 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import zeropp
-from ..comm import _C10D, CommCounter, _process_group, all_gather, group_ranks
+from ..comm import C10D_COLLECTIVES, CommCounter, all_gather, group_ranks, process_group_of
 from ..memory import census
 from ..models import build_model, model_batch, model_loss
 from ..reference import rank_slice
 from ..zero3 import ZeRO3Adam
 from .compare import assert_close
 from .harness import CheckFailed, passed, run_on_ranks
-from .kit import _census_after_gloo_lets_go, adamw_reference, check_class, global_batch, refusing
+from .kit import adamw_reference, census_after_gloo_lets_go, check_class, global_batch, refusing
 
 __all__ = ["check_hpz_numerics", "check_hpz_traffic", "check_hpz_memory", "check_quantize", "check_qwz_gather",
            "check_qwz_training"]
@@ -136,11 +136,11 @@ def _crosses(call, node_size):
 def _check_hpz_class(cls):
     check_class(cls, "your hpZ class (MyHpZAdam)", refuse=_NOT_ZEROKIT, base=ZeRO3Adam,
                 base_hint="keep the scaffold's base class, zerokit.ZeRO3Adam",
-                methods=("_keep_secondary", "_start_gather", "_free"), written_in=(zeropp.ReshardZeRO3Adam,))
+                methods=("keep_secondary", "start_gather", "free"), written_in=(zeropp.ReshardZeRO3Adam,))
 
 
 def _secondary_tensor(entry):
-    """The tensor of a _secondary[bi] entry: (tensor, node) as the scaffold keeps it, or a tensor."""
+    """The tensor of a secondary[bi] entry: (tensor, node) as the scaffold keeps it, or a tensor."""
     if isinstance(entry, (tuple, list)) and entry and isinstance(entry[0], torch.Tensor):
         return entry[0]
     return entry if isinstance(entry, torch.Tensor) else None
@@ -153,7 +153,7 @@ def _has_bytes(t):
 def _usable_secondary(opt, bi):
     """(piece, node) of bucket bi, where this rank keeps a secondary shard the reference can gather
     from: a tensor of P/k elements whose bytes are there; else None."""
-    entry = opt._secondary[bi]
+    entry = opt.secondary[bi]
     piece = _secondary_tensor(entry)
     node = entry[1] if isinstance(entry, (tuple, list)) and len(entry) > 1 and entry[1] is not None else opt.node
     if piece is None or not _has_bytes(piece):
@@ -169,13 +169,13 @@ def _usable_secondary(opt, bi):
 
 @torch.no_grad()
 def _reference_keep_secondary(self, bi, node):
-    if self._full[bi] is None:
+    if self.full[bi] is None:
         return
     k, j = dist.get_world_size(node), dist.get_rank(node)
     piece = self.buckets[bi].padded_numel // k
-    secondary = self._full[bi][j * piece:(j + 1) * piece].clone()
-    self._free(bi)
-    self._secondary[bi] = (secondary, node)
+    secondary = self.full[bi][j * piece:(j + 1) * piece].clone()
+    self.free(bi)
+    self.secondary[bi] = (secondary, node)
 
 
 _FLAG = torch.zeros(1, dtype=torch.int32)  # made once, at import: the memory check's census counts it in every run
@@ -191,35 +191,35 @@ def _everywhere(ok, group):
 
 
 def _reference_start_gather(self, bi, take=True):
-    if self._full[bi] is not None or bi in self._gathering:
-        return ZeRO3Adam._start_gather(self, bi)
+    if self.full[bi] is not None or bi in self.gathering:
+        return ZeRO3Adam.start_gather(self, bi)
     usable = _usable_secondary(self, bi)
     if not _everywhere(usable is not None, self.group):  # a rank without a piece it can send: ZeRO-3's gather
-        return ZeRO3Adam._start_gather(self, bi)
+        return ZeRO3Adam.start_gather(self, bi)
     secondary, node = usable
     if take:
-        self._secondary[bi] = None
-    full = self._gather_buffer(bi, secondary)
-    self._gathering[bi] = (all_gather(full, secondary, group=node, async_op=True), full, secondary)
+        self.secondary[bi] = None
+    full = self.gather_buffer(bi, secondary)
+    self.gathering[bi] = (all_gather(full, secondary, group=node, async_op=True), full, secondary)
 
 
 def _reference_start_gather_leaving_it(self, bi):
-    """The reference gather that leaves the secondary shard in _secondary: only the student's
-    _free then drops it (the memory check grades _free)."""
+    """The reference gather that leaves the secondary shard in self.secondary: only the student's
+    free() then drops it (the memory check grades free())."""
     return _reference_start_gather(self, bi, take=False)
 
 
 @torch.no_grad()
 def _reference_free(self, bi):
-    self._secondary[bi] = None
-    ZeRO3Adam._free(self, bi)
+    self.secondary[bi] = None
+    ZeRO3Adam.free(self, bi)
 
 
 _ALL_GATHERS = {"_allgather_base_", "allgather_", "allgather_into_tensor_coalesced_", "allgather_coalesced_"}
 
 
 class _GatherGuard(TorchDispatchMode):
-    """While the student's _start_gather(bi) runs: names an all-gather that cannot be right
+    """While the student's start_gather(bi) runs: names an all-gather that cannot be right
     before it runs (a second gather into a bucket that is full or on its way; an output that is
     not the group's size times the input), instead of the crash or the signal 11 it leads to."""
 
@@ -232,19 +232,19 @@ class _GatherGuard(TorchDispatchMode):
         if func.namespace == "c10d" and name in _ALL_GATHERS:
             if self.state != "sharded":
                 raise AssertionError(
-                    f"your _start_gather({self.bi}) started an all-gather while bucket {self.bi} was {self.state}: "
+                    f"your start_gather({self.bi}) started an all-gather while bucket {self.bi} was {self.state}: "
                     "its buffer is then written twice at once (gloo's threads crash the rank). When the bucket is "
-                    "full (self._full[bi]) or its gather on its way (bi in self._gathering), _start_gather must "
-                    "start nothing: hand it to ZeRO-3's (super()._start_gather(bi)), which returns at once")
+                    "full (self.full[bi]) or its gather on its way (bi in self.gathering), start_gather must "
+                    "start nothing: hand it to ZeRO-3's (super().start_gather(bi)), which returns at once")
             out, inp = args[0], args[1]
-            group = _process_group(args)
+            group = process_group_of(args)
             size = group.size() if group is not None else dist.get_world_size()
             out_n = sum(t.numel() for t in (out if isinstance(out, (list, tuple)) else [out]))
             inp_n = sum(t.numel() for t in (inp if isinstance(inp, (list, tuple)) else [inp]))
             if out_n != size * inp_n:
                 ranks = group_ranks(group)
                 raise AssertionError(
-                    f"your _start_gather({self.bi}) all-gathers {inp_n} elements into a buffer of {out_n} on a group "
+                    f"your start_gather({self.bi}) all-gathers {inp_n} elements into a buffer of {out_n} on a group "
                     f"of {size} ranks ({', '.join(map(str, ranks)) if ranks else 'the default group'}): the output "
                     f"holds the group's size times the input. A secondary shard is 1/k of the unit: gather it on "
                     "the node's group (self.node, k ranks), into the bucket's buffer of P elements")
@@ -252,67 +252,67 @@ class _GatherGuard(TorchDispatchMode):
 
 
 def _watched_start_gather(student):
-    """The student's _start_gather, with what ZeRO-3's _finish_gather relies on checked after it:
-    a gather on its way, recorded in self._gathering[bi] as (work, buffer, input), into the
+    """The student's start_gather, with what ZeRO-3's finish_gather relies on checked after it:
+    a gather on its way, recorded in self.gathering[bi] as (work, buffer, input), into the
     bucket's own buffer."""
 
-    def _start_gather(self, bi):
-        state = ("full" if self._full[bi] is not None else "on its way" if bi in self._gathering else "sharded")
+    def start_gather(self, bi):
+        state = ("full" if self.full[bi] is not None else "on its way" if bi in self.gathering else "sharded")
         kept = _usable_secondary(self, bi) is not None
         with _GatherGuard(bi, state):
             out = student(self, bi)
         if state != "sharded":
             return out
-        entry = self._gathering.get(bi)
+        entry = self.gathering.get(bi)
         from_where = "from its secondary shards" if kept else "from the primary shards"
         if entry is None:
-            if self._full[bi] is not None:
+            if self.full[bi] is not None:
                 raise AssertionError(
-                    f"your _start_gather({bi}) set self._full[{bi}] itself and recorded no transfer in "
-                    "self._gathering: ZeRO-3's _finish_gather installs the parameters' views into the buffer only "
+                    f"your start_gather({bi}) set self.full[{bi}] itself and recorded no transfer in "
+                    "self.gathering: ZeRO-3's finish_gather installs the parameters' views into the buffer only "
                     "for a transfer recorded there, so the parameters stayed empty. Start the all-gather "
-                    "asynchronously and record (work, buffer, input) in self._gathering[bi]")
-            raise AssertionError(f"your _start_gather({bi}) returned with no gather of bucket {bi} on its way "
-                                 f"({from_where}): nothing in self._gathering[{bi}], and the bucket not full")
+                    "asynchronously and record (work, buffer, input) in self.gathering[bi]")
+            raise AssertionError(f"your start_gather({bi}) returned with no gather of bucket {bi} on its way "
+                                 f"({from_where}): nothing in self.gathering[{bi}], and the bucket not full")
         if not (isinstance(entry, tuple) and len(entry) == 3):
-            raise AssertionError(f"self._gathering[{bi}] holds {type(entry).__name__}: record the transfer as a "
-                                 "tuple (work, buffer, input), which ZeRO-3's _finish_gather unpacks")
+            raise AssertionError(f"self.gathering[{bi}] holds {type(entry).__name__}: record the transfer as a "
+                                 "tuple (work, buffer, input), which ZeRO-3's finish_gather unpacks")
         work, full, _ = entry
         if not callable(getattr(work, "wait", None)):
             raise AssertionError(
-                f"self._gathering[{bi}] records {type(work).__name__} as its work: record what all_gather(..., "
-                "async_op=True) returns, whose wait() ZeRO-3's _finish_gather calls")
+                f"self.gathering[{bi}] records {type(work).__name__} as its work: record what all_gather(..., "
+                "async_op=True) returns, whose wait() ZeRO-3's finish_gather calls")
         if kept and full is not self._gather_buffers[bi]:
             raise AssertionError(
-                f"your _start_gather({bi}) gathers into a tensor of its own, not the bucket's buffer "
-                f"(self._gather_buffer({bi}, secondary)): autograd saved the unit's weights for backward as views "
-                "of that buffer, which _free emptied, and they see the weights again only when the gather refills "
+                f"your start_gather({bi}) gathers into a tensor of its own, not the bucket's buffer "
+                f"(self.gather_buffer({bi}, secondary)): autograd saved the unit's weights for backward as views "
+                "of that buffer, which free() emptied, and they see the weights again only when the gather refills "
                 "it (a fresh tensor leaves them pointing at no bytes: 'setStorage ... out of bounds')")
         return out
 
-    return _start_gather
+    return start_gather
 
 
 def _graded(cls, grade):
-    """cls with zerokit's version of each of the three methods except `grade`'s. grade="_free":
-    the student's _keep_secondary and _free beside a reference gather that leaves the secondary
-    shard where it is, so that only _free drops it."""
-    if grade == "_keep_secondary":
-        methods = {"_start_gather": _reference_start_gather, "_free": _reference_free}
-    elif grade == "_start_gather":
-        methods = {"_keep_secondary": _reference_keep_secondary, "_free": _reference_free,
-                   "_start_gather": _watched_start_gather(cls._start_gather)}
-    elif grade == "_free":
-        methods = {"_start_gather": _reference_start_gather_leaving_it}
+    """cls with zerokit's version of each of the three methods except `grade`'s. grade="free":
+    the student's keep_secondary and free() beside a reference gather that leaves the secondary
+    shard where it is, so that only free() drops it."""
+    if grade == "keep_secondary":
+        methods = {"start_gather": _reference_start_gather, "free": _reference_free}
+    elif grade == "start_gather":
+        methods = {"keep_secondary": _reference_keep_secondary, "free": _reference_free,
+                   "start_gather": _watched_start_gather(cls.start_gather)}
+    elif grade == "free":
+        methods = {"start_gather": _reference_start_gather_leaving_it}
     else:
         raise ValueError(grade)
     return type(cls.__name__, (cls,), methods)
 
 
 def _check_scaffold(opt):
-    if not isinstance(getattr(opt, "_secondary", None), list) or len(opt._secondary) != len(opt.buckets) or \
+    if not isinstance(getattr(opt, "secondary", None), list) or len(opt.secondary) != len(opt.buckets) or \
             not isinstance(getattr(opt, "node", None), dist.ProcessGroup):
-        raise AssertionError("keep the scaffold's __init__: self.node (this rank's node group) and self._secondary "
+        raise AssertionError("keep the scaffold's __init__: self.node (this rank's node group) and self.secondary "
                              "(one entry per bucket, None or (secondary, node))")
 
 
@@ -352,7 +352,7 @@ def _check_secondaries(opt, node_size, group, step, name_of):
     world = dist.get_world_size(group)
     kept = 0
     for bi, bucket in enumerate(opt.buckets):
-        mine = _secondary_tensor(opt._secondary[bi])
+        mine = _secondary_tensor(opt.secondary[bi])
         full = torch.empty(bucket.padded_numel)
         all_gather(full, opt.flat_params[bi].detach().clone(), group=group)  # the check's own collective
         if mine is None:
@@ -364,7 +364,7 @@ def _check_secondaries(opt, node_size, group, step, name_of):
         if mine.numel() and not _has_bytes(mine):
             raise AssertionError(
                 f"step {step + 1}, after forward: the secondary shard of bucket {bi} ({names}) has no bytes left: it "
-                "is a view of the gathered buffer, which _free released (resize_(0), lesson 05). Keep a copy (clone) "
+                "is a view of the gathered buffer, which free() released (resize_(0), lesson 05). Keep a copy (clone) "
                 "of this rank's piece before freeing the unit")
         if mine.numel() != piece or not torch.equal(mine.detach().float(), want):
             where = ""
@@ -427,8 +427,8 @@ def _hpz_numerics_case(rank, _launched, cls, model_name, units, node_size, steps
     place, group = _job_group(group_ranks)
     if place is None:
         return None
-    with refusing((zeropp.ReshardZeRO3Adam, "_keep_secondary", _USED.format("ReshardZeRO3Adam._keep_secondary"))):
-        mine, names, kept = _hpz_run(_graded(cls, "_keep_secondary"), model_name, units, group, node_size, steps,
+    with refusing((zeropp.ReshardZeRO3Adam, "keep_secondary", _USED.format("ReshardZeRO3Adam.keep_secondary"))):
+        mine, names, kept = _hpz_run(_graded(cls, "keep_secondary"), model_name, units, group, node_size, steps,
                                      place, world_size, check=True)
     zero3, _, _ = _hpz_run(ZeRO3Adam, model_name, units, group, None, steps, place, world_size)
     _against_zero3(mine, zero3, names, ". The unit gathered from the secondary shards must be the unit forward used")
@@ -445,7 +445,7 @@ def _hpz_numerics_case(rank, _launched, cls, model_name, units, node_size, steps
 
 def check_hpz_numerics(cls, world_size=4, node_size=2, model="nested", units=None, steps=3, group_ranks=None,
                        timeout=60.0):
-    """Your _keep_secondary, with zerokit's _start_gather and _free: right after each forward,
+    """Your keep_secondary, with zerokit's start_gather and free(): right after each forward,
     each secondary shard kept is this rank's 1/k of its unit, a copy; each rank on its own data,
     `steps` steps, the loss, this rank's gradient shards and every weight equal zerokit.ZeRO3Adam's
     in the same ranks bit for bit (hpZ changes where backward's weights come from, not what they
@@ -461,7 +461,7 @@ def check_hpz_numerics(cls, world_size=4, node_size=2, model="nested", units=Non
     how = "" if units is None else f", units={units!r}"
     shards = (f"{kept} secondary shards kept after the {steps} forwards, each this rank's 1/{node_size} of its unit, "
               "a copy" if kept else "no secondary shard kept (the memory test measures what is kept)")
-    passed(f"your _keep_secondary (with zerokit's _start_gather and _free) on {world_size} ranks as nodes "
+    passed(f"your keep_secondary (with zerokit's start_gather and free()) on {world_size} ranks as nodes "
            f"{_layout(world_size, node_size, group_ranks)} ({model}{how}, {buckets} units): {shards}; bit for bit "
            f"zerokit.ZeRO3Adam (losses, gradient shards, weights) after each of {steps} steps, and torch.optim.AdamW "
            "on one process within rounding")
@@ -479,7 +479,7 @@ def _hpz_traffic_case(rank, _launched, cls, model_name, units, node_size, steps,
     place, group = _job_group(group_ranks)
     if place is None:
         return None
-    model, opt = _build(_graded(cls, "_start_gather"), model_name, units, group, node_size)
+    model, opt = _build(_graded(cls, "start_gather"), model_name, units, group, node_size)
     name_of = {p: n for n, p in model.named_parameters()}
     out, mine = [], []
     for step in range(steps):
@@ -497,7 +497,7 @@ def _hpz_traffic_case(rank, _launched, cls, model_name, units, node_size, steps,
     del model, opt
     zero3, _, _ = _hpz_run(ZeRO3Adam, model_name, units, group, None, steps, place, world_size)
     try:  # told after the traffic, which says where a wrong gather came from
-        _against_zero3(mine, zero3, names, ": the unit your _start_gather gathered from the secondary shards is "
+        _against_zero3(mine, zero3, names, ": the unit your start_gather gathered from the secondary shards is "
                        "not the unit forward used")
         values = None
     except AssertionError as exc:
@@ -511,7 +511,7 @@ def _groups(calls):
 
 def check_hpz_traffic(cls, world_size=4, node_size=2, model="nested", units=None, steps=2, group_ranks=None,
                       timeout=60.0):
-    """Your _start_gather, with zerokit's _keep_secondary and _free, each phase of a step counted:
+    """Your start_gather, with zerokit's keep_secondary and free(), each phase of a step counted:
     forward's all-gathers span the nodes and move every unit once (4Ψ bytes in fp32, as ZeRO-3's),
     backward's all-gather every unit once inside its node (4Ψ) and nothing across, the gradients'
     reduce-scatters span the nodes (4Ψ); the losses and gradient shards bit for bit ZeRO-3's. A
@@ -563,7 +563,7 @@ def check_hpz_traffic(cls, world_size=4, node_size=2, model="nested", units=None
             raise CheckFailed(f"rank {rank}, {r['values']}")
     r = next(r for r in res if r is not None)
     total = 4 * sum(r["padded"])
-    passed(f"your _start_gather (with zerokit's _keep_secondary and _free) on {world_size} ranks as nodes {layout} "
+    passed(f"your start_gather (with zerokit's keep_secondary and free()) on {world_size} ranks as nodes {layout} "
            f"({model}), each of {steps} steps, per rank: forward all-gathers {total} bytes (4Ψ), all of them across "
            f"nodes; backward all-gathers {total} inside the node and 0 across; reduce-scatters {total} across; losses "
            "and gradient shards bit for bit zerokit.ZeRO3Adam's")
@@ -577,7 +577,7 @@ def _alive(settled=False):
     """Bytes of every live tensor of the process. settled: once gloo's threads have let go of the
     buffers of finished transfers (kit), where no autograd graph holds tensors from C++ meanwhile."""
     if settled:
-        return sum(nbytes for nbytes, _, _ in _census_after_gloo_lets_go(set()).values())
+        return sum(nbytes for nbytes, _, _ in census_after_gloo_lets_go(set()).values())
     gc.collect()
     return census()["total"]
 
@@ -585,10 +585,10 @@ def _alive(settled=False):
 def _kept(opt):
     """After forward: (secondary shards kept, of them views with no bytes, of them not P/k
     elements), or None for ZeRO-3."""
-    if not isinstance(getattr(opt, "_secondary", None), list):
+    if not isinstance(getattr(opt, "secondary", None), list):
         return None
     k = dist.get_world_size(opt.node)
-    pieces = [(t, b.padded_numel // k) for t, b in zip(map(_secondary_tensor, opt._secondary), opt.buckets)
+    pieces = [(t, b.padded_numel // k) for t, b in zip(map(_secondary_tensor, opt.secondary), opt.buckets)
               if t is not None]
     return (len(pieces), sum(1 for t, _ in pieces if t.numel() and not _has_bytes(t)),
             sum(1 for t, piece in pieces if t.numel() != piece))
@@ -628,14 +628,14 @@ def _hpz_memory_case(rank, _launched, cls, model_name, units, node_size, steps, 
         return None
     _memory_run(ZeRO3Adam, model_name, units, group, None, place, world_size, 1)  # what torch creates lazily, first
     zero3, padded, root = _memory_run(ZeRO3Adam, model_name, units, group, None, place, world_size, steps)
-    mine, _, _ = _memory_run(_graded(cls, "_free"), model_name, units, group, node_size, place, world_size, steps)
+    mine, _, _ = _memory_run(_graded(cls, "free"), model_name, units, group, node_size, place, world_size, steps)
     return {"zero3": zero3, "mine": mine, "padded": padded, "root": root}
 
 
 def check_hpz_memory(cls, world_size=4, node_size=2, model="nested", units=None, steps=2, group_ranks=None,
                      timeout=60.0):
-    """Your _keep_secondary and _free, with zerokit's _start_gather (one that leaves the secondary
-    shard where it is: your _free drops it), every live tensor of the process counted
+    """Your keep_secondary and free(), with zerokit's start_gather (one that leaves the secondary
+    shard where it is: your free() drops it), every live tensor of the process counted
     (zerokit.census), beside zerokit.ZeRO3Adam's run on the same data in the same process: between
     forward and backward your ranks hold what ZeRO-3 holds, plus a secondary shard of every unit,
     Ψ/k, less the root unit that ZeRO-3 keeps whole (so Ψ/N + Ψ/k of parameters in all); after
@@ -660,7 +660,7 @@ def check_hpz_memory(cls, world_size=4, node_size=2, model="nested", units=None,
                            f"1/{node_size} of each: keep a copy of this rank's piece, then free the unit")
                 elif kept is not None and kept[1]:
                     why = (f" {kept[1]} of the {kept[0]} secondary shards kept have no bytes: views of the gathered "
-                           "buffer, which _free released. Keep a copy (clone) of this rank's piece")
+                           "buffer, which free() released. Keep a copy (clone) of this rank's piece")
                 elif kept is not None and kept[2]:
                     why = (f" {kept[2]} of the {kept[0]} secondary shards kept are not 1/{node_size} of their unit "
                            "(the numerics test says which piece each holds)")
@@ -675,12 +675,12 @@ def check_hpz_memory(cls, world_size=4, node_size=2, model="nested", units=None,
                 raise CheckFailed(
                     f"rank {rank}, {when}: your ranks hold {rest - rest0:+d} bytes beyond what zerokit.ZeRO3Adam holds "
                     + ("(no backward comes after an eval forward: a unit is freed, nothing kept for it)"
-                       if held is None else "(a secondary shard still held after backward: _free must drop it, and "
+                       if held is None else "(a secondary shard still held after backward: free() must drop it, and "
                        "every unit is freed once its gradients are sent)"))
     r = next(r for r in res if r is not None)
     total = 4 * sum(r["padded"])
     n = world_size
-    passed(f"your _keep_secondary and _free (with zerokit's _start_gather) on {world_size} ranks as nodes "
+    passed(f"your keep_secondary and free() (with zerokit's start_gather) on {world_size} ranks as nodes "
            f"{_layout(world_size, node_size, group_ranks)} ({model}, 4Ψ = {total} bytes): between forward and backward "
            f"the shards and the secondary shards, 4Ψ/N + 4Ψ/k = {total // n} + {total // node_size} bytes of "
            "parameters per rank; after backward, and after an eval forward under torch.no_grad(), exactly ZeRO-3's")
@@ -887,8 +887,8 @@ class _OnTheGroup(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.__name__.split(".")[0]
-        if func.namespace == "c10d" and name in _C10D:
-            group = _process_group(args)
+        if func.namespace == "c10d" and name in C10D_COLLECTIVES:
+            group = process_group_of(args)
             ranks = group_ranks(group)
             if ranks is not None and ranks != self.ranks:
                 raise AssertionError(
