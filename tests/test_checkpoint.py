@@ -85,7 +85,7 @@ def held(model, opt):
     names = {p: n for n, p in model.named_parameters()}
     out, steps = [], {}
     if isinstance(opt, zerokit.DistributedAdam):
-        masters = dict(zip(opt.parameters(), opt.masters)) if opt.masters is not None else {}
+        masters = dict(zip(opt.all_params(), opt.masters)) if opt.masters is not None else {}
         for p in (p for g in opt.param_groups for p in g["params"] if p.requires_grad):
             s = opt.state.get(p, {})
             w = masters.get(p, p.detach())

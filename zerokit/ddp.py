@@ -159,25 +159,23 @@ class DistributedAdam(Adam):
         self.group = group
         self.foreach = foreach  # beyond the lesson: None, torch.optim.AdamW's default (see _update)
         self._averaged = False  # set by clip_grad_norm_, which must average first
-        broadcast_parameters(self._params(), group)
+        broadcast_parameters(self.all_params(), group)
         # lesson 06: the dtypes and the loss scale (fp32: FullPrecision, which does nothing), and
         # fp32 masters of the (broadcast) weights while the model goes 16-bit (fp32: None)
         self.precision = precision_state(precision, group)
-        self.masters = self.precision.take_masters(self._params())
+        self.masters = self.precision.take_masters(self.all_params())
 
-    def _params(self):
+    def all_params(self):
+        """Every parameter of every param group, in order (lesson 02's scaffold gives the same): the
+        order `masters` follows (its i-th entry is the fp32 master of the i-th parameter, None where
+        it needs none)."""
         return [p for g in self.param_groups for p in g["params"]]
-
-    def parameters(self):
-        """Every parameter of every param group, in order: the order `masters` follows (its
-        i-th entry is the fp32 master of the i-th parameter, None where it needs none)."""
-        return self._params()
 
     @torch.no_grad()
     def _update(self):
         """Lesson 01's Adam on every parameter with a gradient; beyond the lesson, where torch.optim.AdamW
         would take its multi-tensor version (foreach), the same update one param group at a time."""
-        foreach = self.foreach if self.foreach is not None else default_foreach(self._params())
+        foreach = self.foreach if self.foreach is not None else default_foreach(self.all_params())
         if not foreach:
             return super()._update()
         for group in self.param_groups:
@@ -202,12 +200,12 @@ class DistributedAdam(Adam):
             with torch.enable_grad():
                 loss = closure()
         if not self._averaged:
-            average_gradients(self._params(), self.group, self.precision.reduce_dtype)
+            average_gradients(self.all_params(), self.group, self.precision.reduce_dtype)
         self._averaged = False
         if self.masters is None:
             self._update()
         else:  # lesson 06: unscale, skip on overflow, else the same Adam on the fp32 masters
-            self.precision.step_on_masters(self._params(), self.masters, self._update)
+            self.precision.step_on_masters(self.all_params(), self.masters, self._update)
         return loss
 
     def scale_loss(self, loss):
@@ -221,9 +219,9 @@ class DistributedAdam(Adam):
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm):
         """Average the gradients now, then clip their global norm (as on one process)."""
-        average_gradients(self._params(), self.group, self.precision.reduce_dtype)
+        average_gradients(self.all_params(), self.group, self.precision.reduce_dtype)
         self._averaged = True
-        grads = [p for p in self._params() if p.grad is not None]
+        grads = [p for p in self.all_params() if p.grad is not None]
         if self.masters is not None:  # lesson 06: 16-bit gradients that may still carry the loss scale
             return self.precision.clip_scaled_([p.grad for p in grads], max_norm)
         return torch.nn.utils.clip_grad_norm_(grads, max_norm)

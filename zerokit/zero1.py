@@ -28,8 +28,7 @@ import torch
 import torch.distributed as dist
 
 from .adam import adamw_update_, check_hyperparameters
-from .collectives import all_gather, reduce_scatter  # torch's, but direct on gloo (the ring's bytes)
-from .collectives import device_flags
+from .collectives import all_gather, device_flags, reduce_scatter  # torch's, but direct on gloo (the ring's bytes)
 from .ddp import broadcast_parameters, precision_state
 from .flat import FlatBucket, make_buckets
 from .hooks import weak_hook

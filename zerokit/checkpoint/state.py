@@ -58,7 +58,7 @@ def _weights(opt, p, index):
 
 
 def _flat_index(opt):
-    return {p: i for i, p in enumerate(opt.parameters())}  # DistributedAdam.masters is aligned with them
+    return {p: i for i, p in enumerate(opt.all_params())}  # DistributedAdam.masters is aligned with them
 
 
 # ---------------------------------------------------------------------------------------
@@ -166,7 +166,7 @@ def finish_load(opt):
         opt.loaded()
         return
     if opt.masters is not None:  # mixed precision: round the loaded fp32 masters into the 16-bit parameters
-        for p, master in zip(opt.parameters(), opt.masters):
+        for p, master in zip(opt.all_params(), opt.masters):
             if master is not None:
                 p.data.copy_(master)
 
