@@ -24,7 +24,7 @@ each layer, then on the root.
 - in place: the model's class, its DTensor parameters and gradients (this rank's rows), state_dict;
 - torch's own clip_grad_norm_ on the DTensor gradients, and the shell's: the norm over every rank.
 
-ReshardZeRO3Adam's reshard_after_forward on lesson 05's flat buckets is tests/test_reshard.py;
+zerokit.zeropp.ZeROppAdam's reshard_after_forward on lesson 05's flat buckets is tests/test_reshard.py;
 PyTorch's own FSDP2 behaviour tests, run on both implementations, are tests/test_fsdp2_*.py.
 """
 

@@ -70,7 +70,7 @@ COURSE_MODULES = {"adam", "ddp", "flat", "zero1", "zero2", "zero3", "mixed_preci
                   # the lessons' stages in PyTorch's shapes (issue 24)
                   "elementwise", "data_parallel",
                   "muon",  # lesson 09's reference
-                  "zeropp",  # lesson 11's reference: hpZ (fully_shard.reshard's machinery), qwZ, hybrid sharding
+                  "zeropp",  # lesson 11's reference: hpZ (FSDP2's reshard_after_forward on lesson 05's buckets), qwZ, hybrid sharding
                   "alphabeta",  # lesson 11's time model: collectives on NVLink and NICs, the schemes in seconds
                   "multi_tensor",  # Adam on many tensors at once, what DistributedAdam and ZeRO run on a GPU
                   "hooks",  # weak_hook and in_backward, what the stages that hook autograd share
@@ -78,8 +78,7 @@ COURSE_MODULES = {"adam", "ddp", "flat", "zero1", "zero2", "zero3", "mixed_preci
 # a lesson whose reference needs more than one file gets a package of its own (its __init__
 # is the reference, the rest are its parts)
 COURSE_PACKAGES = {"checkpoint",
-                   "fully_shard",  # FSDP2's design (lesson 12): param, collectives, group, state, api, wrapper;
-                                   # beside them reshard.py, ZeRO3Adam's hpZ (lesson 11's base)
+                   "fully_shard",  # FSDP2's design (lesson 12): param, collectives, group, state, api, wrapper
                    "train"}  # the capstone's script: the course's pieces in one training job
 COURSE = COURSE_MODULES | COURSE_PACKAGES
 WINGS = {"launcher", "grading", "bench"}
@@ -153,7 +152,6 @@ LESSON = {"adam": 1, "ddp": 2, "data_parallel": 2, "zero1": 3, "zero2": 4,
           "zero3": 5,
           "mixed_precision": 6, "checkpoint": 7, "offload": 8, "activations": 8, "muon": 9, "train": 10,
           "alphabeta": 11, "zeropp": 11,
-          "fully_shard.reshard": 11,  # lesson 11's hpZ (ZeRO3Adam's, its base), beside lesson 12's files
           "fully_shard": 12,
           "stages": 12,  # builds every stage, FullyShard (lesson 12's) included: as late as the last it builds
           **dict.fromkeys(["flat", "collectives", "comm", "memory", "multi_tensor", "models", "reference",

@@ -1,7 +1,7 @@
 """zerokit's references read as their lesson's exercise plus what is labelled beyond it.
 
 A student opening zerokit/zero2.py beside lesson 04 (or zero3.py beside lesson 05,
-fully_shard/reshard.py, hpZ, beside lesson 11, or fully_shard/param.py and collectives.py beside
+zeropp.py, hpZ, beside lesson 11, or fully_shard/param.py and collectives.py beside
 lesson 12) should recognise every line of the methods and functions they wrote. The references mark what the exercise leaves out with a comment, "beyond the
 exercise", and this test holds them to it: strip what is so labelled from each exercise method
 of the reference, and what remains is, statement for statement (ast, comments and docstrings
@@ -29,15 +29,15 @@ import zerokit.zero2
 import zerokit.zero3
 from zerokit.fully_shard import collectives as fsdp_collectives  # (zerokit.fully_shard is the function)
 from zerokit.fully_shard import param as fsdp_param
-from zerokit.fully_shard.reshard import ReshardZeRO3Adam
+from zerokit.zeropp import ZeROppAdam
 
 ROOT = Path(__file__).resolve().parent.parent
 LABEL = "beyond the exercise"
 
 CASES = [
     ("04_zero2", "MyZeRO2Adam", zerokit.zero2.ZeRO2Adam, ["_on_grad_ready", "send", "_end_of_backward"]),
-    ("05_zero3", "ShardedParameters", zerokit.zero3.ShardedParameters, ["start_gather", "finish_gather", "free"]),
-    ("11_zeropp", "MyHpZAdam", ReshardZeRO3Adam, ["keep_secondary", "start_gather", "free"]),
+    ("05_zero3", "ShardedParameters", zerokit.zero3.ZeRO3Adam, ["start_gather", "finish_gather", "free"]),
+    ("11_zeropp", "MyHpZAdam", ZeROppAdam, ["keep_secondary", "start_gather", "free"]),
 ]
 # lessons whose exercises are functions: (lesson, the reference's module, [functions])
 FUNCTION_CASES = [

@@ -1,8 +1,8 @@
-"""ReshardZeRO3Adam (zerokit/fully_shard/reshard.py): lesson 05's ZeRO3Adam with FSDP2's
-reshard_after_forward on its flat buckets, the class lesson 11's hpZ builds on.
+"""zerokit.zeropp.ZeROppAdam's reshard_after_forward: lesson 05's ZeRO3Adam with FSDP2's
+reshard_after_forward on its flat buckets (k: lesson 11's hpZ).
 
 Each setting is measured on real ranks by zerokit.memory.census and zerokit.CommCounter and held
-to the table of reshard.py, on 4 ranks laid out as 2 "nodes" of 2: the parameter bytes held
+to the table of zeropp.py's docstring, on 4 ranks laid out as 2 "nodes" of 2: the parameter bytes held
 between forward and backward, backward's all-gather bytes, and how many of them cross a node.
 The formulas are taken over the units' padded flat buckets (FlatBucket's layout: a unit's
 elements end to end, padded so that N equal shards cut it), which are checked to hold the
@@ -19,7 +19,7 @@ import torch
 import zerokit
 from conftest import padding_bound, run_ranks
 from test_fully_shard_controls import NODE, loss_of, uneven
-from zerokit.fully_shard.reshard import ReshardZeRO3Adam
+from zerokit.zeropp import ZeROppAdam
 from zerokit.memory import census
 
 SETTINGS = (True, False, None, NODE)
@@ -29,7 +29,7 @@ def _reshard_case(rank, world_size):
     out = {}
     for setting in SETTINGS:
         model = uneven()
-        opt = ReshardZeRO3Adam(model, lr=1e-2, reshard_after_forward=setting)
+        opt = ZeROppAdam(model, lr=1e-2, reshard_after_forward=setting)
         padded = [b.padded_numel for b in opt.buckets]
         root = [b.padded_numel for b, u in zip(opt.buckets, opt.bucket_units) if u == 0]
         losses, steps = [], []
@@ -66,7 +66,7 @@ def _refused(rank, world_size):
     said = []
     for bad in (3, 0, "2", 2.0):
         with pytest.raises((ValueError, TypeError)) as info:
-            ReshardZeRO3Adam(uneven(), reshard_after_forward=bad)
+            ZeROppAdam(uneven(), reshard_after_forward=bad)
         said.append(str(info.value))
     return said
 
@@ -128,7 +128,7 @@ def _foreach_case(rank, world_size, steps=3):
     out = {}
     for foreach in (True, False):
         model = uneven()
-        opt = ReshardZeRO3Adam(model, lr=1e-2, reshard_after_forward=False, foreach=foreach)
+        opt = ZeROppAdam(model, lr=1e-2, reshard_after_forward=False, foreach=foreach)
         for step in range(steps):
             loss_of(model, rank, step).backward()
             opt.step()

@@ -5,7 +5,7 @@
 - `bucket_state` names where a bucket is (UnitState, as FSDP2's ShardedState): SHARDED at
   rest, GATHERING while its all-gather is in flight, GATHERED once installed, SHARDED again
   after free(), on a unit prefetched and never used too;
-- one full-size transfer at a time (ShardedParameters.start_gather, ZeRO3Adam._before_send): on a
+- one full-size transfer at a time (ZeRO3Adam.finish_transfers, ZeRO3Adam._before_send): on a
   transformer with a unit per block, no reduce-scatter is in flight when a prefetch starts,
   no gather is in flight when a reduce-scatter starts, and the unit being reduced is
   already SHARDED; backward's prefetch overlaps the unit's compute: at most one gather (the next
@@ -84,7 +84,7 @@ class _Watched(ZeRO3Adam):
 
 
 def _one_transfer_at_a_time(rank, world_size, lazy):
-    real_gather, real_reduce = zerokit.zero3.all_gather, zerokit.zero2.reduce_scatter
+    real_gather, real_reduce = ZeRO3Adam.gather_collective, zerokit.zero2.reduce_scatter
     seen, box = [], {}
 
     def gathering(output, input):
@@ -96,12 +96,13 @@ def _one_transfer_at_a_time(rank, world_size, lazy):
         seen.append(("reduce", len(opt.gathering), opt.bucket_state(opt._next).value))
 
     if lazy:
-        zerokit.zero3.all_gather = _lazy(real_gather, gathering)
         zerokit.zero2.reduce_scatter = _lazy(real_reduce, reducing)
     try:
         model = build_model("transformer")
         opt = box["opt"] = _Watched(model, lr=1e-2, weight_decay=0.1, units=list(model.blocks))
         opt.watch = seen.append
+        if lazy:  # the gathers' collective, swapped as lesson 11's qwZ swaps it
+            opt.gather_collective = _lazy(real_gather, gathering)
         losses = []
         for step in range(3):
             x, y = model_batch("transformer", 4, 10 * step + rank)
@@ -113,7 +114,7 @@ def _one_transfer_at_a_time(rank, world_size, lazy):
         with opt.gathered():
             weights = [p.detach().clone() for p in model.parameters()]
     finally:
-        zerokit.zero3.all_gather, zerokit.zero2.reduce_scatter = real_gather, real_reduce
+        zerokit.zero2.reduce_scatter = real_reduce
     return losses, weights, seen
 
 

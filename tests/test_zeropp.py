@@ -1,6 +1,6 @@
 """ZeRO++ and hybrid sharding (zerokit/zeropp.py), measured on 4 gloo ranks laid out as 2 "nodes" of 2.
 
-- hpZ (ZeROppAdam(reshard_after_forward=2), reshard.py's machinery): bitwise ZeRO3Adam, lesson 05's
+- hpZ (ZeROppAdam(reshard_after_forward=2), FSDP2's reshard_after_forward=k): bitwise ZeRO3Adam, lesson 05's
   class; backward's all-gathers 0 bytes across nodes; the secondary shards, Ψ/k, held between
   forward and backward beside the shards and nothing after;
 - qwZ: each block's error within half a quantisation step (the bound that follows from the scale),

@@ -8,16 +8,15 @@ The course, one module per idea, in lesson order (each a small step from the las
     flat, zero1      03  flat padded buffers cut into N shards; ZeRO-1 shards Adam's state
     elementwise      03+ ZeRO1/ZeRO2 (ZeRO2 on lesson 04's stage) with any elementwise torch optimizer
     zero2            04  ZeRO-2: gradients reduce-scattered in buckets during backward
-    zero3            05  ZeRO-3: ShardedParameters (gather, free) under ZeRO3Adam (the hooks)
+    zero3            05  ZeRO3Adam: the shards gathered and freed (exercise 1), the hooks that say when (2)
     fully_shard      12  FSDP2's design: fully_shard, FSDPModule (every control) and FullyShard (the calls
-                         in one), each parameter a dim-0 DTensor shard; beside them reshard.py, ZeRO3Adam's
-                         reshard_after_forward (True, False, k = hpZ), lesson 11's base
+                         in one), each parameter a dim-0 DTensor shard
     mixed_precision  06  16-bit compute, fp32 masters, the loss scaler, for every stage
     checkpoint       07  sharded checkpoints: save, load on any N and stage, consolidate
     activations      08  what autograd saves, counted and in closed form; recomputation
     offload          08  the optimizer state in memory-mapped files or pinned host memory
     muon             09  ZeRO1Muon: each matrix owned whole by one rank
-    zeropp           11  ZeRO++ (hpZ: reshard's machinery; qwZ: int8 blocks on the wire) and hybrid sharding
+    zeropp           11  ZeRO++ (hpZ: reshard_after_forward=k; qwZ: int8 blocks on the wire) and hybrid sharding
     alphabeta        11  the α-β time model: collectives on NVLink and NICs (rails or not), the schemes in seconds
 
 The instruments every lesson measures with: comm (collectives counted, theoretical

@@ -88,14 +88,14 @@ def get_stage(key):
 
 
 def _lesson_classes():
-    """{the lessons' class: its stage}: the class a stage's lesson builds (ZeRO-3's mechanics,
-    ShardedParameters, under any hooks a lesson puts on it)."""
+    """{the lessons' class: its stage}: the class a stage's lesson builds (a lesson's subclass of
+    one, lesson 11's ZeRO3Adam with hpZ, has its stage)."""
     from .ddp import DistributedAdam
     from .zero1 import ZeRO1Adam
     from .zero2 import ZeRO2Adam
-    from .zero3 import ShardedParameters
+    from .zero3 import ZeRO3Adam
 
-    return {DistributedAdam: STAGES[0], ZeRO1Adam: STAGES[1], ZeRO2Adam: STAGES[2], ShardedParameters: STAGES[3]}
+    return {DistributedAdam: STAGES[0], ZeRO1Adam: STAGES[1], ZeRO2Adam: STAGES[2], ZeRO3Adam: STAGES[3]}
 
 
 def stage_of(opt):

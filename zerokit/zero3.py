@@ -28,14 +28,14 @@ alone (replicated); every rank must run the same modules in the same order.
 At rest a parameter's `.data` is an empty tensor: use `with opt.gathered():` to look at
 the full weights.
 
-Two classes, with the shape of lesson 05's two exercises: `ShardedParameters` is the
-storage (units, one bucket per unit, the shards, and moving a bucket between its shard
-and its full parameters: `start_gather`, `finish_gather`, `free`); `ZeRO3Adam` decides
-when (the forward and backward hooks, prefetching). What the exercises write is public
-(those three, the fields `full` and `gathering` they keep, the hooks `pre_forward`,
-`post_forward`, `pre_backward`, `send` and the helpers they call): code outside the class
-calls it, the module hooks and the lessons' checks (05, 08, 11). Lines marked "beyond the
-exercise" are what the lesson's scaffold leaves out.
+One class in two parts, with the shape of lesson 05's two exercises. The storage (exercise 1,
+the notebook's `ShardedParameters` on zerokit.ZeRO2Adam): units, one bucket per unit, the shards,
+and moving a bucket between its shard and its full parameters (`start_gather`, `finish_gather`,
+`free`). Then when (exercise 2, `MyZeRO3Adam`): the forward and backward hooks, prefetching.
+What the exercises write is public (those three, the fields `full` and `gathering` they keep,
+the hooks `pre_forward`, `post_forward`, `pre_backward`, `send` and the helpers they call):
+code outside the class calls it, the module hooks and the lessons' checks (05, 08, 11). Lines
+marked "beyond the exercise" are what the lesson's scaffold leaves out.
 
 Lesson 08: a forward that backward recomputes (activation checkpointing) runs these hooks
 again inside backward; `_pre_recompute` and `_post_recompute` (the last part of the file) are
@@ -61,7 +61,7 @@ from .flat import FlatBucket
 from .hooks import in_backward, weak_hook
 from .zero2 import ZeRO2Adam
 
-__all__ = ["ZeRO3Adam", "ShardedParameters", "UnitState", "default_units", "unit_list", "assign_units",
+__all__ = ["ZeRO3Adam", "UnitState", "default_units", "unit_list", "assign_units",
            "bucket_plan", "install_unit_hooks", "members"]
 
 
@@ -137,13 +137,16 @@ def install_unit_hooks(opt):
             m.register_forward_hook(partial(weak_hook(opt.post_forward), u))
 
 
-class ShardedParameters(ZeRO2Adam):
-    """ZeRO-2 whose parameters keep only this rank's shard between uses: one bucket per
-    unit, the unit's parameters empty until gathered (lesson 05, exercise 1).
+class ZeRO3Adam(ZeRO2Adam):
+    """AdamW with optimizer state, gradients and parameters sharded across ranks (ZeRO-3):
+    ZeRO-2 whose parameters keep only this rank's shard between uses, one bucket per unit, the
+    unit's parameters empty until gathered (lesson 05, exercise 1), gathered and freed by hooks
+    on each unit's forward and, through its outputs, its backward (exercise 2).
 
+    Takes the model, not its parameters.
     units: modules whose parameters (all of their subtree, minus what a nested unit owns)
         are gathered and freed together; default: every module that owns parameters
-        directly. prefetch: start the next unit's gather early (see ZeRO3Adam).
+        directly. prefetch: start the next unit's gather early.
     """
 
     def __init__(self, module, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
@@ -163,6 +166,7 @@ class ShardedParameters(ZeRO2Adam):
         self.full = [None] * len(self.buckets)  # bucket -> the gathered flat buffer, while in use
         self.gathering = {}  # bucket -> (work, full buffer, shard): an all-gather in flight
         self._gather_buffers = [None] * len(self.buckets)  # bucket -> its full-size buffer (see gather_buffer)
+        install_unit_hooks(self)  # exercise 2: the hooks that decide when
 
     def _make_buckets(self, params):
         """One bucket per unit, the last unit first: backward finishes the units in that order."""
@@ -249,11 +253,21 @@ class ShardedParameters(ZeRO2Adam):
     # Beyond the exercise: one full-size transfer at a time. A transfer in flight holds
     # full-size memory besides its output (a gathered unit; a reduce-scatter's receive buffer
     # until it completes, zerokit.collectives), and backward's peak is where these meet the
-    # activations. So a new gather (the prefetch) first
-    # finishes the gather in flight, whose unit is needed next anyway, and receives every
-    # reduce-scatter; send() likewise finishes gathers and frees its unit before it sends. The
-    # prefetch still overlaps the unit's compute. (Inline in start_gather, not a method: the
-    # lesson's grader runs this start_gather on a student's class.)
+    # activations. So a new gather (the prefetch) first finishes the gather in flight, whose unit
+    # is needed next anyway, and receives every reduce-scatter; send() likewise finishes gathers
+    # and frees its unit before it sends. The prefetch still overlaps the unit's compute. Every
+    # gather of lesson 11 (hpZ's from the secondary shards) waits the same way, here.
+
+    def finish_transfers(self):
+        """Beyond the exercise: finish every all-gather in flight and receive every reduce-scatter."""
+        for other in list(self.gathering):
+            self.finish_gather(other)
+        while self._in_flight:
+            self._receive()
+
+    # Beyond the exercise (lesson 11): the collective of the gathers from the shards, swappable as
+    # FSDP2's set_custom_all_gather; qwZ (zerokit.zeropp) puts an int8 all-gather here.
+    gather_collective = staticmethod(all_gather)
 
     # ---- exercise 1 of lesson 05: gather and free ------------------------------------
 
@@ -261,15 +275,14 @@ class ShardedParameters(ZeRO2Adam):
         """Start bucket bi's all-gather (asynchronous) unless it is full or on its way."""
         if self.full[bi] is not None or bi in self.gathering:  # not UnitState.SHARDED
             return
-        for other in list(self.gathering):  # beyond the exercise: one transfer at a time (see above)
-            self.finish_gather(other)
-        while self._in_flight:  # beyond the exercise: one transfer at a time (see above)
-            self._receive()
+        self.finish_transfers()  # beyond the exercise: one transfer at a time (see above)
         # beyond the exercise (lesson 06): an fp32 master at rest is sent in 16 bits;
         # the exercise: `shard = self.flat_params[bi]`
         shard = self.precision.to_half(self.flat_params[bi])
         full = self.gather_buffer(bi, shard)
-        work = all_gather(full, shard, group=self.group, async_op=True)
+        # beyond the exercise (lesson 11's qwZ swaps the collective, see above);
+        # the exercise: `work = all_gather(full, shard, group=self.group, async_op=True)`
+        work = self.gather_collective(full, shard, group=self.group, async_op=True)
         self.gathering[bi] = (work, full, shard)  # the input must outlive the transfer
 
     @torch.no_grad()
@@ -298,21 +311,7 @@ class ShardedParameters(ZeRO2Adam):
             self.full[bi] = None
 
 
-class ZeRO3Adam(ShardedParameters):
-    """AdamW with optimizer state, gradients and parameters sharded across ranks (ZeRO-3).
-
-    Takes the model, not its parameters: it hooks each unit's forward and, through the
-    outputs, its backward (lesson 05, exercise 2).
-    units: modules whose parameters (all of their subtree, minus what a nested unit owns)
-        are gathered and freed together; default: every module that owns parameters
-        directly. prefetch: start the next unit's gather early.
-    """
-
-    def __init__(self, module, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
-                 units=None, prefetch=True, group=None, precision=None, offload=None, foreach=None):
-        super().__init__(module, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, units=units,
-                         prefetch=prefetch, group=group, precision=precision, offload=offload, foreach=foreach)
-        install_unit_hooks(self)
+    # ---- exercise 2 of lesson 05: the order the units run in -------------------------
 
     def record_order(self, u, module, args):
         if in_backward():  # beyond the exercise (lesson 08): a recomputation is not a new forward

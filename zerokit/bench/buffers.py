@@ -26,7 +26,7 @@ def buffer_bytes(stage, opt, model=None):
       gathered from forward to the end of backward, and while one unit computes the next
       (in forward order, or the previous one in backward) is being gathered (prefetch).
     - ZeRO-3, gradients: as ZeRO-2's, with one bucket per unit, except that a new all-gather
-      first receives every transfer in flight (ShardedParameters.start_gather): each
+      first receives every transfer in flight (ZeRO3Adam.finish_transfers): each
       unit's backward hook prefetches the next (all but the last, whose next is the root,
       gathered already), so its gradients fill with none of them left; and the root unit's
       gradients waiting, counted whole, until it is sent last, right after (in the same

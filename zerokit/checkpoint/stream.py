@@ -18,7 +18,7 @@ Then stream_load fills each unit's shards from the file.
 import torch
 from torch import nn
 
-from ..zero3 import ShardedParameters
+from ..zero3 import ZeRO3Adam
 from .files import agree
 from .state import parameter_names, replicated, trained_shapes
 
@@ -51,7 +51,7 @@ def stream_load(source, model, opt):
     before the next unit. No rank ever holds more than its shards and one unit's pieces.
     Adam's state starts afresh (m = v = 0, step 0); frozen parameters and buffers are read whole.
     A collective: every rank calls it."""
-    if not isinstance(opt, ShardedParameters):
+    if not isinstance(opt, ZeRO3Adam):
         raise TypeError(f"stream_load fills ZeRO-3's shards; {type(opt).__name__} holds whole parameters: use load()")
     names = parameter_names(model)
 

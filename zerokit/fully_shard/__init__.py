@@ -29,9 +29,8 @@ full shape that DTensor describes, so `clip_grad_norm_`, `state_dict()`, DCP and
 parallelism read it as they read any DTensor. The price: each parameter padded to a multiple
 of N rows, and the copies around every collective (`collectives.py`).
 
-`reshard.py` is not FSDP2's: it is lesson 05's ZeRO3Adam with `reshard_after_forward` (True,
-False, k = hpZ on the flat buffers), which lesson 11 builds on (`zerokit.zeropp`). After `import
-zerokit`, the name `zerokit.fully_shard` is the function, as in torch: import the package's
+Lesson 05's ZeRO3Adam with `reshard_after_forward` (True, False, k = hpZ) on its flat buckets
+is lesson 11's `zerokit.zeropp.ZeROppAdam`. After `import zerokit`, the name `zerokit.fully_shard` is the function, as in torch: import the package's
 parts by their full names, `from zerokit.fully_shard.param import dim0_chunk`.
 """
 

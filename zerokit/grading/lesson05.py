@@ -50,7 +50,7 @@ own slice of the batch, and looks at one thing:
                               never frees passes it at 2Ψ, saying so: check_memory fails it).
 
 Isolation: the hook checks give the student's MyZeRO3Adam zerokit's own `start_gather`,
-`finish_gather` and `free` (and `gather_buffer`), those of zerokit.zero3.ShardedParameters,
+`finish_gather` and `free` (and `gather_buffer`, `finish_transfers`), those of zerokit.ZeRO3Adam,
 so a bug in the mechanics costs check_gather_free only. They also name a `post_forward` that
 fails on a unit's output that is not one tensor (model "awkward" with units="children": `attn`
 returns a tuple, `mix` a dict).
@@ -67,11 +67,11 @@ import torch.distributed as dist
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 
-from ..comm import CommCounter
+from ..comm import CommCounter, process_group_of
 from ..memory import census
 from ..models import build_model, model_loss
 from ..zero2 import ZeRO2Adam
-from ..zero3 import ShardedParameters, ZeRO3Adam, bucket_plan, install_unit_hooks, unit_list
+from ..zero3 import ZeRO3Adam, bucket_plan, install_unit_hooks, unit_list
 from .compare import assert_close
 from .harness import passed, run_on_ranks
 from .kit import (adamw_reference, alias, assert_adam_shards, bucket_label, check_class, global_batch, lazy_transfers,
@@ -147,24 +147,21 @@ def _reference(model_name, world_size, steps, timeout):
 
 
 def _validate(cls, methods, expected_name):
-    """The class is the student's, not zerokit's ZeRO3Adam (or, for exercise 1, zerokit's
-    ShardedParameters) under another name."""
-    refuse = [(ZeRO3Adam, "the class this exercise re-implements; build on the scaffold's ShardedParameters "
-               "(zerokit.ZeRO2Adam underneath) and write the methods yourself")]
-    if methods == MECHANICS:  # exercise 1 re-implements ShardedParameters itself
-        refuse.append((ShardedParameters, "the class this exercise re-implements; build on zerokit.ZeRO2Adam, as "
-                       "the scaffold does, and write the methods yourself"))
+    """The class is the student's, not zerokit's ZeRO3Adam (both exercises' reference) under another name."""
+    base = "zerokit.ZeRO2Adam, as the scaffold does" if methods == MECHANICS else \
+        "the scaffold's ShardedParameters (zerokit.ZeRO2Adam underneath)"
+    refuse = [(ZeRO3Adam, f"the class this exercise re-implements; build on {base} and write the methods yourself")]
     check_class(cls, f"your class ({expected_name})", refuse=refuse, base=ZeRO2Adam, methods=methods,
                 written_in=(ZeRO3Adam, ZeRO2Adam))
 
 
 def with_reference_mechanics(cls):
-    """cls with zerokit's start_gather, finish_gather and free() (and the gather_buffer they
-    call), those of zerokit.zero3.ShardedParameters: the hook checks grade the hooks, and a
-    bug in the mechanics costs check_gather_free only. Its post_forward names a failure on
-    an output that is not one tensor."""
-    names = MECHANICS + ("gather_buffer",)
-    methods = {name: ShardedParameters.__dict__[name] for name in names}
+    """cls with zerokit's start_gather, finish_gather and free() (and what they call:
+    gather_buffer, finish_transfers, gather_collective), those of zerokit.ZeRO3Adam: the hook
+    checks grade the hooks, and a bug in the mechanics costs check_gather_free only. Its
+    post_forward names a failure on an output that is not one tensor."""
+    names = MECHANICS + ("gather_buffer", "finish_transfers", "gather_collective")
+    methods = {name: ZeRO3Adam.__dict__[name] for name in names}
 
     def post_forward(self, u, module, args, output):
         __tracebackhide__ = True
@@ -418,10 +415,9 @@ class _GroupSpy(CommCounter):
         self.groups = []  # (op, group name)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "c10d":
-            for a in args:
-                if type(a).__name__ == "ScriptObject" and a._type().qualified_name().endswith(".ProcessGroup"):
-                    self.groups.append((func.__name__.split(".")[0], dist.ProcessGroup.unbox(a).group_name))
+        group = process_group_of(args) if func.namespace == "c10d" else None
+        if group is not None:
+            self.groups.append((func.__name__.split(".")[0], group.group_name))
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 

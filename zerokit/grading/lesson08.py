@@ -60,7 +60,7 @@ from ..memory import PeakRSS, census, settled_resident_bytes
 from ..models import build_model, model_loss
 from ..offload import DiskPlace, DiskTensor
 from ..zero1 import ShardedAdamState
-from ..zero3 import ShardedParameters, ZeRO3Adam
+from ..zero3 import ZeRO3Adam
 from .compare import assert_close
 from .harness import CheckFailed, passed, run_on_ranks, torch_adam_allowed
 from .kit import adamw_reference, assert_adam_shards, bucket_label, check_class, global_batch, refusing
@@ -294,7 +294,7 @@ def _graded(cls, graded):
 
     def start_gather(self, bi):
         starting = self.full[bi] is None and bi not in self.gathering
-        ShardedParameters.start_gather(self, bi)  # lesson 05's mechanics (zerokit's)
+        ZeRO3Adam.start_gather(self, bi)  # lesson 05's mechanics (zerokit's)
         if starting:
             self.gather_log.append((in_backward(), bi))
 

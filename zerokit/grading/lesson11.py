@@ -90,10 +90,8 @@ PER_RANK = 2  # samples per rank per step
 STREAM = 1111  # this lesson's data
 QMAX = zeropp.QMAX
 CURVE_TOLERANCE = 0.04  # the loss against exact ZeRO-3, relative, at every step (measured: check_qwz_training)
-_NOT_ZEROKIT = [(zeropp.ZeROppAdam, "the class this exercise re-implements: build on zerokit.ZeRO3Adam, as the "
-                 "scaffold does"),
-                (zeropp.ReshardZeRO3Adam, "hpZ's reference (FSDP2's reshard_after_forward=k): the exercise is to write "
-                 "it; build on zerokit.ZeRO3Adam, as the scaffold does")]
+_NOT_ZEROKIT = [(zeropp.ZeROppAdam, "hpZ's reference (FSDP2's reshard_after_forward=k), the class this exercise "
+                 "re-implements: build on zerokit.ZeRO3Adam, as the scaffold does")]
 _USED = "your code used zerokit.zeropp's own {}: the exercise is to write it"
 
 
@@ -136,7 +134,7 @@ def _crosses(call, node_size):
 def _check_hpz_class(cls):
     check_class(cls, "your hpZ class (MyHpZAdam)", refuse=_NOT_ZEROKIT, base=ZeRO3Adam,
                 base_hint="keep the scaffold's base class, zerokit.ZeRO3Adam",
-                methods=("keep_secondary", "start_gather", "free"), written_in=(zeropp.ReshardZeRO3Adam,))
+                methods=("keep_secondary", "start_gather", "free"), written_in=(zeropp.ZeROppAdam,))
 
 
 def _secondary_tensor(entry):
@@ -427,7 +425,7 @@ def _hpz_numerics_case(rank, _launched, cls, model_name, units, node_size, steps
     place, group = _job_group(group_ranks)
     if place is None:
         return None
-    with refusing((zeropp.ReshardZeRO3Adam, "keep_secondary", _USED.format("ReshardZeRO3Adam.keep_secondary"))):
+    with refusing((zeropp.ZeROppAdam, "keep_secondary", _USED.format("ZeROppAdam.keep_secondary"))):
         mine, names, kept = _hpz_run(_graded(cls, "keep_secondary"), model_name, units, group, node_size, steps,
                                      place, world_size, check=True)
     zero3, _, _ = _hpz_run(ZeRO3Adam, model_name, units, group, None, steps, place, world_size)
