@@ -164,17 +164,20 @@ def _train(rank, world_size, cls, units, early_stop):
 
 
 def _reentrant_refused(rank, world_size, stage):
+    """stage 2, 3 or "dp" (zerokit.DataParallel, whose end of backward is ZeRO-2's, hooks.EndOfBackward)."""
     net = build_model("transformer")
-    opt = zerokit.ZeRO3Adam(net, lr=LR) if stage == 3 else zerokit.ZeRO2Adam(net.parameters(), lr=LR)
+    opt = {2: lambda: zerokit.ZeRO2Adam(net.parameters(), lr=LR), 3: lambda: zerokit.ZeRO3Adam(net, lr=LR),
+           "dp": lambda: zerokit.DataParallel(net)}[stage]()
+    model = opt if stage == "dp" else net
     for block in net.blocks:
         block.forward = lambda h, f=block.forward: checkpoint(f, h, use_reentrant=True)
     x, y = model_batch("transformer", BATCH, 0)
     try:
-        model_loss("transformer", net(rank_slice(x, rank, world_size)), rank_slice(y, rank, world_size)).backward()
+        model_loss("transformer", model(rank_slice(x, rank, world_size)), rank_slice(y, rank, world_size)).backward()
     except RuntimeError as exc:
         return str(exc)
     finally:
-        del opt
+        del opt, model
     return None
 
 
@@ -190,7 +193,7 @@ def _all_cases(rank, world_size):
         out["lesson 05 hooks, no early stop"] = None
     except RuntimeError as exc:
         out["lesson 05 hooks, no early stop"] = str(exc)
-    out["reentrant"] = {stage: _reentrant_refused(rank, world_size, stage) for stage in (2, 3)}
+    out["reentrant"] = {stage: _reentrant_refused(rank, world_size, stage) for stage in (2, 3, "dp")}
     return out
 
 
@@ -243,6 +246,6 @@ def test_lesson05_hooks_gather_again_or_crash_under_recomputation(zero3_runs):
 
 @pytest.mark.distributed
 def test_a_reentrant_checkpoint_is_refused_with_the_reason(zero3_runs):
-    for stage in (2, 3):
+    for stage, who in ((2, "ZeRO-2/3"), (3, "ZeRO-2/3"), ("dp", "zerokit.DataParallel")):
         message = zero3_runs[0]["reentrant"][stage]
-        assert message is not None and "use_reentrant=False" in message, (stage, message)
+        assert message is not None and "use_reentrant=False" in message and who in message, (stage, message)

@@ -18,8 +18,6 @@
 import pytest
 import torch
 
-import zerokit.zero2
-import zerokit.zero3
 from conftest import LazyWork, run_ranks
 from zerokit.models import build_model, model_batch, model_loss
 from zerokit.zero3 import UnitState, ZeRO3Adam, bucket_plan, unit_list
@@ -84,7 +82,7 @@ class _Watched(ZeRO3Adam):
 
 
 def _one_transfer_at_a_time(rank, world_size, lazy):
-    real_gather, real_reduce = ZeRO3Adam.gather_collective, zerokit.zero2.reduce_scatter
+    real_gather, real_reduce = ZeRO3Adam.gather_collective, ZeRO3Adam.reduce_collective
     seen, box = [], {}
 
     def gathering(output, input):
@@ -95,26 +93,22 @@ def _one_transfer_at_a_time(rank, world_size, lazy):
         opt = box["opt"]  # ZeRO-2's send sets _next past the bucket after its reduce-scatter
         seen.append(("reduce", len(opt.gathering), opt.bucket_state(opt._next).value))
 
-    if lazy:
-        zerokit.zero2.reduce_scatter = _lazy(real_reduce, reducing)
-    try:
-        model = build_model("transformer")
-        opt = box["opt"] = _Watched(model, lr=1e-2, weight_decay=0.1, units=list(model.blocks))
-        opt.watch = seen.append
-        if lazy:  # the gathers' collective, swapped as lesson 11's qwZ swaps it
-            opt.gather_collective = _lazy(real_gather, gathering)
-        losses = []
-        for step in range(3):
-            x, y = model_batch("transformer", 4, 10 * step + rank)
-            loss = model_loss("transformer", model(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-        with opt.gathered():
-            weights = [p.detach().clone() for p in model.parameters()]
-    finally:
-        zerokit.zero2.reduce_scatter = real_reduce
+    model = build_model("transformer")
+    opt = box["opt"] = _Watched(model, lr=1e-2, weight_decay=0.1, units=list(model.blocks))
+    opt.watch = seen.append
+    if lazy:  # the collectives swapped as lesson 11's qwZ and hybrid sharding swap them
+        opt.gather_collective = _lazy(real_gather, gathering)
+        opt.reduce_collective = _lazy(real_reduce, reducing)
+    losses = []
+    for step in range(3):
+        x, y = model_batch("transformer", 4, 10 * step + rank)
+        loss = model_loss("transformer", model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    with opt.gathered():
+        weights = [p.detach().clone() for p in model.parameters()]
     return losses, weights, seen
 
 

@@ -38,9 +38,9 @@ import torch.distributed as dist
 from torch import nn
 
 from .collectives import device_flags
-from .ddp import broadcast_parameters
+from .ddp import broadcast_parameters, write_means
 from .flat import make_buckets
-from .hooks import weak_hook
+from .hooks import EndOfBackward, weak_hook
 
 __all__ = ["DataParallel", "plan_buckets"]
 
@@ -89,11 +89,14 @@ class DataParallel(nn.Module):
                 # weak: the parameter holds the hook, and must not keep this wrapper alive
                 p.register_post_accumulate_grad_hook(weak_hook(self._on_grad_ready))
         self._sync = True  # False inside no_sync()
+        # the end of each backward sends the rest; a backward inside another one is refused
+        self._backward_end = EndOfBackward(self.finish_gradient_synchronization, "zerokit.DataParallel sends "
+                                           "each bucket once, when the outer backward has produced its gradients")
         self._in_flight = []  # (work, bucket index, flat copy, every gradient here), oldest first
         self._begin_backward()
 
     def forward(self, *args, **kwargs):
-        if self._backward_task is not None:  # a backward raised before its end: start clean
+        if self._backward_end.pending:  # a backward raised before its end: start clean
             self._drain()
             self._begin_backward()
         return self.module(*args, **kwargs)
@@ -101,7 +104,7 @@ class DataParallel(nn.Module):
     def _begin_backward(self):
         self._ready = [0] * len(self.buckets)  # gradients arrived, per bucket
         self._next = 0  # the next bucket to send
-        self._backward_task = None  # the backward whose end will send the rest (None: none pending)
+        self._backward_end.reset()  # no backward's end pending
 
     # ---- during backward ---------------------------------------------------------------
 
@@ -109,25 +112,11 @@ class DataParallel(nn.Module):
         """The hook (it receives the parameter, whose .grad now holds this backward's share)."""
         if not self._sync:
             return  # no_sync(): the gradient stays in .grad, to be summed with the next ones
-        task = torch._C._current_graph_task_id()
-        if self._backward_task is None:
-            self._backward_task = task
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-        elif task != self._backward_task:
-            # a backward inside the backward (torch.utils.checkpoint, use_reentrant=True) ends
-            # first, and its end would send buckets whose gradients have not all come yet
-            raise RuntimeError("zerokit.DataParallel: a backward ran inside another backward; use "
-                               "torch.utils.checkpoint(..., use_reentrant=False)")
+        self._backward_end.arm()  # its end sends the buckets left and waits for them all
         bi = self._where[param]
         self._ready[bi] += 1
         while self._next < len(self.buckets) and self._ready[self._next] == len(self.buckets[self._next].params):
             self._send(self._next)
-
-    def _end_of_backward(self):
-        if torch._C._current_autograd_node() is not None:  # a nested backward's end, not ours
-            raise RuntimeError("zerokit.DataParallel: a backward ran inside another backward; use "
-                               "torch.utils.checkpoint(..., use_reentrant=False)")
-        self.finish_gradient_synchronization()
 
     @torch.no_grad()
     def _send(self, bi):
@@ -170,16 +159,7 @@ class DataParallel(nn.Module):
         bucket = self.buckets[bi]
         counts = [1] * len(bucket.params) if all_here else flat[bucket.numel:].tolist()
         flat[:bucket.numel].div_(self.world_size)
-        keep = []
-        for view, p, count in zip(bucket.views(flat), bucket.params, counts):
-            if count == 0:
-                p.grad = None  # no rank had one: as on one process, the optimizer skips it
-            elif p.grad is None:
-                p.grad = view.clone()  # a copy, not a view: the flat buffer is freed
-            else:
-                keep.append((p.grad, view))
-        if keep:  # one multi-tensor copy, not one per parameter
-            torch._foreach_copy_([g for g, _ in keep], [v for _, v in keep])
+        write_means(bucket.params, bucket.views(flat), counts)  # lesson 02's, as average_gradients writes them
 
     def _drain(self):
         while self._in_flight:
@@ -191,7 +171,7 @@ class DataParallel(nn.Module):
         """Send the buckets not sent yet (in order), wait for every bucket, and leave the mean
         gradient in each .grad. Runs by itself at the end of each backward; calling it again
         does nothing."""
-        if self._backward_task is not None:
+        if self._backward_end.pending:
             while self._next < len(self.buckets):  # a bucket where some parameter got no gradient here
                 self._send(self._next)
         self._drain()

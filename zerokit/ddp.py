@@ -30,7 +30,8 @@ from .adam import Adam
 from .collectives import device_flags
 from .multi_tensor import adamw_multi_tensor_, default_foreach
 
-__all__ = ["DistributedAdam", "broadcast_parameters", "average_gradients", "FullPrecision", "precision_state"]
+__all__ = ["DistributedAdam", "broadcast_parameters", "average_gradients", "write_means", "FullPrecision",
+           "precision_state"]
 
 
 @torch.no_grad()
@@ -126,19 +127,26 @@ def average_gradients(params, group=None, reduce_dtype=None):
         total = flat.numel() - len(ps)
         flat[:total].div_(world)  # the mean, in one operation for every parameter
         counts = here if all(here) else flat[total:].tolist()
-        offset, keep = 0, []
-        for p, count in zip(ps, counts):
-            n = p.numel()
-            mean = flat[offset:offset + n].view_as(p)
-            if count == 0:
-                p.grad = None
-            elif p.grad is None:
-                p.grad = mean.to(p.dtype, copy=True)
-            else:
-                keep.append((p.grad, mean))
-            offset += n
-        if keep:  # one multi-tensor copy, not one per parameter
-            torch._foreach_copy_([g for g, _ in keep], [m for _, m in keep])
+        means = flat[:total].split([p.numel() for p in ps])
+        write_means(ps, [m.view_as(p) for m, p in zip(means, ps)], counts)
+
+
+@torch.no_grad()
+def write_means(params, means, counts):
+    """Each parameter's .grad becomes its mean gradient: None where no rank had one (count 0: as
+    on one process, the optimizer skips it), a copy where this rank had none, else written into
+    the .grad it has. `means` are views of the all-reduced buffer, which is freed after: copies,
+    not views, are kept; the copies into existing .grad are one multi-tensor call, not one each."""
+    keep = []
+    for p, mean, count in zip(params, means, counts):
+        if count == 0:
+            p.grad = None
+        elif p.grad is None:
+            p.grad = mean.to(p.dtype, copy=True)
+        else:
+            keep.append((p.grad, mean))
+    if keep:
+        torch._foreach_copy_([g for g, _ in keep], [m for _, m in keep])
 
 
 class DistributedAdam(Adam):

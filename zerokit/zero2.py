@@ -40,20 +40,10 @@ import torch
 import torch.distributed as dist
 
 from .collectives import reduce_scatter  # torch's, but direct on gloo (the ring's bytes)
-from .hooks import weak_hook
+from .hooks import EndOfBackward, weak_hook
 from .zero1 import ZeRO1Adam
 
 __all__ = ["ZeRO2Adam"]
-
-
-def _refuse_nested_backward():
-    """Beyond the exercise (lesson 08). A backward that runs inside another one (what
-    torch.utils.checkpoint does with use_reentrant=True) ends before the outer one does: the
-    end-of-backward callback queued from inside it would send every bucket not yet complete,
-    with zeros, and those buckets would be reduce-scattered again when their gradients came."""
-    raise RuntimeError("a backward ran inside another backward (torch.utils.checkpoint with use_reentrant=True?): "
-                       "ZeRO-2/3 reduce-scatter each bucket once, when the outer backward has produced its "
-                       "gradients; use torch.utils.checkpoint(..., use_reentrant=False)")
 
 
 class ZeRO2Adam(ZeRO1Adam):
@@ -75,6 +65,9 @@ class ZeRO2Adam(ZeRO1Adam):
         self._has_grad = []  # per bucket, per parameter: did it get a gradient in this step
         self._where = {}  # parameter -> (its bucket, its index in the bucket)
         self._sync = True  # beyond the exercise: False inside no_sync()
+        # beyond the exercise (lesson 08): the end of backward, once, and no backward inside another
+        self._backward_end = EndOfBackward(self._finish_backward, "ZeRO-2/3 reduce-scatter each bucket once, when "
+                                           "the outer backward has produced its gradients")
         super()._shard(group, precision, offload)
 
     def _shard_groups(self, first):
@@ -95,23 +88,16 @@ class ZeRO2Adam(ZeRO1Adam):
         self._ready = [0] * len(self.buckets)  # parameters of each bucket whose gradient has arrived
         self._next = 0  # the next bucket to send: buckets go out in order
         self._in_flight = []  # (work, bucket index, output shard, flat input)
-        self._callback_queued, self._callback_task = False, None
+        self._backward_end.reset()
 
     def _mark_present(self, param):
         """Note that param got a gradient (step() skips parameters no rank has one for, as
         AdamW does), and have autograd call _finish_backward when this backward is over."""
         bi, j = self._where[param]
         self._has_grad[bi][j] = True
-        task = torch._C._current_graph_task_id()  # beyond the exercise (lesson 08): which backward
-        if not self._callback_queued:
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-            self._callback_queued, self._callback_task = True, task
-        elif task != self._callback_task:  # beyond the exercise (lesson 08)
-            _refuse_nested_backward()
+        self._backward_end.arm()
 
     def _finish_backward(self):
-        if torch._C._current_autograd_node() is not None:  # beyond the exercise (lesson 08)
-            _refuse_nested_backward()
         self._end_of_backward()
         self._begin_backward()
 
@@ -138,7 +124,9 @@ class ZeRO2Adam(ZeRO1Adam):
         for p in bucket.params:
             p.grad = None  # the full gradient is gone as soon as its bucket is on its way
         out = torch.empty(bucket.shard_numel, dtype=flat.dtype, device=flat.device)
-        work = reduce_scatter(out, flat, op=dist.ReduceOp.AVG, group=self.group, async_op=True)
+        # beyond the exercise (lesson 11's hybrid sharding swaps the collective, see reduce_collective);
+        # the exercise: `work = reduce_scatter(out, flat, op=dist.ReduceOp.AVG, group=self.group, async_op=True)`
+        work = self.reduce_collective(out, flat, op=dist.ReduceOp.AVG, group=self.group, async_op=True)
         self._in_flight.append((work, bi, out, flat))
         self._next = bi + 1
 
@@ -205,6 +193,10 @@ class ZeRO2Adam(ZeRO1Adam):
     # way (0.98 of FSDP2's): it also receives every transfer before each new all-gather
     # (zero3.py, start_gather).
     max_in_flight = 2
+
+    # The collective of the gradients, swappable as FSDP2's set_custom_reduce_scatter: lesson 11's
+    # hybrid sharding (zerokit.zeropp.HybridShardAdam) averages each shard across nodes as well.
+    reduce_collective = staticmethod(reduce_scatter)
 
     @contextmanager
     def no_sync(self):

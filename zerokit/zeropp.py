@@ -86,14 +86,14 @@ import torch.distributed as dist
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 
-from .collectives import all_gather  # torch's, but direct on gloo
+from .collectives import all_gather, reduce_scatter  # torch's, but direct on gloo
 from .comm import group_ranks
 from .ddp import broadcast_parameters
 from .hooks import in_backward, weak_hook
 from .zero3 import ZeRO3Adam, members
 
 __all__ = ["quantize_blocks", "dequantize_blocks", "qwz_all_gather", "ZeROppAdam", "HybridShardAdam",
-           "node_group", "replica_group", "unit_policies"]
+           "hybrid_reduce_scatter", "node_group", "replica_group", "unit_policies"]
 
 QMAX = 127  # symmetric int8: -127 .. 127 (-128 unused, so that q and -q are both there)
 
@@ -336,6 +336,36 @@ def replica_group(k, group=None):
     return _REPLICA_GROUPS[key]
 
 
+class _AcrossNodes:
+    """The work of hybrid sharding's reduce: wait() waits for the reduce-scatter inside the node
+    (the mean over its ranks), then averages the shard over its replicas, one per node."""
+
+    def __init__(self, work, output, replicas):
+        self._work, self._output, self._replicas = work, output, replicas
+
+    def wait(self, *args, **kwargs):
+        if self._work is None:
+            return True
+        self._work.wait()
+        self._work = None
+        n = dist.get_world_size(self._replicas)
+        if n > 1:
+            dist.all_reduce(self._output, op=dist.ReduceOp.SUM, group=self._replicas)  # gloo has no AVG
+            self._output.div_(n)
+        return True
+
+    def is_completed(self):
+        return self._work is None
+
+
+def hybrid_reduce_scatter(output, input, replicas, op=dist.ReduceOp.AVG, group=None, async_op=False):
+    """reduce_scatter(output, input) over `group` (the node), then the output averaged over
+    `replicas`, the ranks holding the same shard in the other nodes: FSDP2's HSDP reduce. The
+    all-reduce runs when the work is waited for (async_op=True), as ZeRO-2 receives a bucket."""
+    handle = _AcrossNodes(reduce_scatter(output, input, op=op, group=group, async_op=True), output, replicas)
+    return handle if async_op else handle.wait() and None
+
+
 class HybridShardAdam(ZeRO3Adam):
     r"""ZeRO-3 sharded over the k ranks of each node (`node_size`), replicated across the nodes of
     `group`: after each reduce-scatter inside the node, the gradient shard is averaged over its
@@ -354,15 +384,8 @@ class HybridShardAdam(ZeRO3Adam):
         broadcast_parameters(module.parameters(), group)  # every node starts from the same weights
         super().__init__(module, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, units=units,
                          prefetch=prefetch, group=node, precision=precision, offload=offload, foreach=foreach)
-
-    def _receive(self):
-        """ZeRO-2's receive, with the gradient shard averaged across the nodes first."""
-        work, _bi, out, _flat = self._in_flight[0]
-        work.wait()  # the mean over this node's ranks
-        if self.n_replicas > 1:
-            dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.replicas)  # gloo has no AVG
-            out.div_(self.n_replicas)
-        super()._receive()
+        # ZeRO-2's reduce-scatter inside the node, then the mean over the replicas
+        self.reduce_collective = partial(hybrid_reduce_scatter, replicas=self.replicas)
 
     def _flag_group(self):
         """Which parameters got a gradient is decided over every rank of every node, not one node."""

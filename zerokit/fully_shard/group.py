@@ -33,6 +33,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from ..hooks import in_backward  # a forward called from backward is recomputation
 from .collectives import (AllGather, Gathering, ReduceScatter, all_gather_copy_in, all_gather_copy_out,
                           divide_factors, reduce_scatter_copy_in, shard_grads)
 
@@ -50,11 +51,6 @@ class Phase(Enum):
     FORWARD = auto()
     PRE_BACKWARD = auto()
     POST_BACKWARD = auto()
-
-
-def in_backward():
-    """True while autograd's engine runs a backward (a forward called from it is recomputation)."""
-    return torch._C._current_graph_task_id() != -1
 
 
 class _PostBackward(torch.autograd.Function):
