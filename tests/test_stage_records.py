@@ -6,8 +6,8 @@
 - stage_of finds the lessons' classes and anything built on them (by the MRO), and refuses a
   torch optimizer;
 - checkpoint's job_of goes by the optimizer's nearest registered class;
-- train/ and bench/ test no stage against a number or a name: they ask the record (a new stage
-  is one record, not six files).
+- train/ and bench/ test no stage against a number or a name, and at most 3 times test a stage at
+  all: they ask the record, or look rows up by stage (a new stage is one record, not six files).
 """
 
 import ast
@@ -118,8 +118,60 @@ def stage_literal_tests(folders):
     return found
 
 
+def _stage_operand(node, bound):
+    """A stage itself, as a comparison's side: a name or attribute naming a stage (`stage`,
+    `args.stage`, `STAGE_NAMES`), a row's `r["stage"]`, get_stage(k)/stage_of(opt), the `.name` or
+    `.number` of one, a name bound to one (`s = get_stage(k)`, `for s in STAGE_NAMES`), or a tuple
+    holding one. A record's other attributes (`stage.shards_gradients`, `.clip`) are its answers."""
+    if isinstance(node, ast.Name):
+        return "stage" in node.id.lower() or node.id in bound
+    if isinstance(node, ast.Attribute):
+        return "stage" in node.attr.lower() or node.attr in ("name", "number") and _stage_operand(node.value, bound)
+    if isinstance(node, ast.Subscript):
+        return isinstance(node.slice, ast.Constant) and node.slice.value == "stage"
+    if isinstance(node, ast.Call):
+        return isinstance(node.func, ast.Name) and node.func.id in ("get_stage", "stage_of")
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return any(_stage_operand(e, bound) for e in node.elts)
+    return False
+
+
+def _bound_to_stages(tree):
+    """Names a module binds to a stage (an assignment's, a loop's or a comprehension's target), to
+    a fixed point: a renamed stage is still a stage."""
+    bound, size = set(), -1
+    while size != len(bound):
+        size = len(bound)
+        for node in ast.walk(tree):
+            pairs = [(t, node.value) for t in node.targets] if isinstance(node, ast.Assign) else \
+                [(node.target, node.iter)] if isinstance(node, (ast.For, ast.comprehension)) else []
+            for target, value in pairs:
+                if _stage_operand(value, bound) and isinstance(target, ast.Name):
+                    bound.add(target.id)
+    return bound
+
+
+def stage_tests(folders):
+    """file:line of every test of which stage it is in `folders`: a comparison or membership test
+    (==, !=, <, in, not in, ...) with a stage as a side (_stage_operand), whatever the other side:
+    `stage == 3`, `r["stage"] == s` (a row filter), `c.stage in chosen`, `s.number >= 2`. A branch on
+    a record's answer (`if stage.shards_gradients`, `how == "optimizer"` after `how = stage.clip`)
+    asks the record and is not counted: a new stage gives its answers in stages.py."""
+    found = []
+    for folder in folders:
+        for path in sorted((ROOT / "zerokit" / folder).rglob("*.py")):
+            tree = ast.parse(path.read_text(), str(path))
+            bound = _bound_to_stages(tree)
+            found += [f"{path.relative_to(ROOT)}:{line}" for line in sorted(
+                node.lineno for node in ast.walk(tree) if isinstance(node, ast.Compare)
+                and any(_stage_operand(a, bound) for a in [node.left, *node.comparators]))]
+    return found
+
+
 def test_train_and_bench_ask_the_record_not_the_stages_number():
     assert stage_literal_tests(["train", "bench"]) == []
+    found = stage_tests(["train", "bench"])
+    assert len(found) <= 3, found
 
 
 def test_the_scan_finds_a_stage_test_where_there_is_one(tmp_path, monkeypatch):
@@ -130,3 +182,9 @@ def test_the_scan_finds_a_stage_test_where_there_is_one(tmp_path, monkeypatch):
         '    y = r["stage"] != "zero3"\n    z = args.stage in (0, 1)\n    ok = args.stage == other\n')
     monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
     assert stage_literal_tests(["wing"]) == [f"zerokit/wing/m.py:{n}" for n in (2, 4, 5, 6)]
+    (tmp_path / "zerokit" / "wing" / "m.py").write_text(
+        'def f(rows, s, k):\n    a = [r for r in rows if r["stage"] == s]\n    x = get_stage(k)\n'
+        '    b = x.number >= 2\n    y = x\n    c = y in chosen\n    d = [t for t in STAGE_NAMES if t != k]\n'
+        '    e = x.shards_gradients == other\n    if x.shards_gradients:\n        pass\n'
+        '    g = {r["stage"]: r for r in rows}\n')
+    assert stage_tests(["wing"]) == [f"zerokit/wing/m.py:{n}" for n in (2, 4, 6, 7)]

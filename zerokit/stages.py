@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Stage", "STAGES", "STAGE_NAMES", "get_stage", "stage_of", "lessons_optimizer", "wrapper", "torch_peer"]
+__all__ = ["Stage", "STAGES", "STAGE_NAMES", "get_stage", "stage_of", "by_stage", "lessons_optimizer", "wrapper",
+           "torch_peer"]
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,12 @@ def get_stage(key):
     except (KeyError, TypeError):
         raise ValueError(f"unknown stage {key!r}; choose from {[s.number for s in STAGES]} or "
                          f"{[s.name for s in STAGES]}") from None
+
+
+def by_stage(items, stage=lambda item: item["stage"]):
+    """{stage name: its items, in their order}, the stages in the table's order, none empty: a bench's
+    rows (or configurations) grouped in this one place, where each stage's are wanted."""
+    return {name: group for name in STAGE_NAMES if (group := [item for item in items if stage(item) == name])}
 
 
 def _lesson_classes():

@@ -694,7 +694,7 @@ def train_script(target):
 
     job = [*TRAIN_JOB[target.gpu], "--device", target.device, "--quiet", "--sample-bytes", "0"]
     curve = [*job, "--steps", str(TRAIN_CURVE_STEPS)]
-    runs = [[*curve, "--stage", str(s), *extra] for s in range(4)
+    runs = [[*curve, "--stage", str(s), *extra] for s in range(len(STAGE_NAMES))
             for extra in ([], ["--precision", "bf16"], ["--impl", "torch"])]
     curves = _launch(_train_curves, 1, runs, env={DEVICE_ENV: target.device})[0]
     steps, warmup = TRAIN_TIMED[target.gpu]
@@ -706,15 +706,14 @@ def train_script(target):
                               "--precision", "bf16"])
         timed = json.loads((Path(folder) / "runs.json").read_text())["runs"]
         rc, said, record = _train_torchrun(target, folder)
-    rows = []
-    for s in range(4):
+    rows, by_key = [], {(r["stage"], r["impl"]): r for r in reversed(timed)}  # the first of a key wins
+    for s in range(len(STAGE_NAMES)):
         fp32, bf16, peer = (curves[3 * s + i] for i in range(3))
         losses = [[r["losses"][k] for k in sorted(r["losses"])] for r in (fp32, bf16, peer)]
         mean = [sum(c) / len(c) for c in losses]
         rel = abs(mean[1] - mean[0]) / mean[0]
         dpeer = max(abs(a - b) for a, b in zip(losses[0], losses[2]))
-        mine, theirs = (next(r for r in timed if r["stage"] == s and r["impl"] == impl)
-                        for impl in ("zerokit", "torch"))
+        mine, theirs = (by_key[s, impl] for impl in ("zerokit", "torch"))
         same_job = abs(mine["final_loss"] - theirs["final_loss"]) <= TRAIN_BF16_RTOL * theirs["final_loss"]
         on = {r["device"] for r in (fp32, bf16, peer, mine, theirs)}
         ok = rel <= TRAIN_BF16_RTOL and dpeer <= FP32_ATOL and same_job and on == {fp32["device"]} \

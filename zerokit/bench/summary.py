@@ -98,12 +98,9 @@ def summarize(per_rank, opts, world_size):
                                           default=0.0)
     ratios = []
     settings = [""] + list(FULLY_SHARD_SETTINGS)
+    by_key = {(c["stage"], c["system"], c["setting"]): c for c in reversed(configs)}  # the first of a key wins
     for stage, system, setting in ((st, sy, se) for se in settings for sy in SYSTEMS for st in STAGE_NAMES):
-        def find(system):
-            return next((c for c in configs if c["stage"] == stage and c["system"] == system
-                         and c["setting"] == setting), None)
-
-        zk, peer = find(system), find("torch")
+        zk, peer = by_key.get((stage, system, setting)), by_key.get((stage, "torch", setting))
         if zk and peer:
             ratios.append({
                 "stage": stage, "zerokit": zk["name"], "peer": peer["name"], "setting": setting,

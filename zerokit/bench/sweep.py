@@ -53,7 +53,7 @@ import zerokit
 from zerokit.comm import CommCounter, WireCounter, theory_volume
 from zerokit.memory import census, theory_bytes
 from zerokit.models import loss_for
-from zerokit.stages import STAGE_NAMES, lessons_optimizer
+from zerokit.stages import STAGE_NAMES, by_stage, lessons_optimizer
 from zerokit.widgets import progress
 
 from .accounting import MODEL_STATE, Held, Instrument, allocated_bytes
@@ -314,7 +314,7 @@ def plot(summary, path):
     rows, meta = summary["rows"], summary["meta"]
     colors = {"ddp": "#4e79a7", "zero1": "#f28e2b", "zero2": "#59a14f", "zero3": "#e15759"}
     ns = sorted({r["world_size"] for r in rows})
-    stages = [s for s in STAGE_NAMES if any(r["stage"] == s for r in rows)]
+    stages = by_stage(rows)  # {stage: its rows}, the stages in the table's order
     markers = dict(zip(ns, ("o", "s", "^", "D", "v", "P")))
     dashes = dict(zip(ns, ("-", "--", ":", "-.", (0, (5, 1)), (0, (1, 3)))))
     psis = sorted({r["psi"] for r in rows})
@@ -327,8 +327,8 @@ def plot(summary, path):
         theory is): each stage's markers moved a little along their theory line, x and y scaled
         alike (by at most 6 %), so that stages with the same theory do not hide one another,
         and each marker's ratio to its line stays what was measured."""
-        shift = 1 + 0.04 * (stages.index(stage) - (len(stages) - 1) / 2) if dodge else 1
-        pts = sorted((r["psi"], key(r)) for r in rows if r["stage"] == stage and r["world_size"] == n)
+        shift = 1 + 0.04 * (list(stages).index(stage) - (len(stages) - 1) / 2) if dodge else 1
+        pts = sorted((r["psi"], key(r)) for r in stages[stage] if r["world_size"] == n)
         return [p * shift for p, _ in pts], [v * shift for _, v in pts]
 
     def theory_line(ax, slope, label, style="-"):  # slope: bytes per parameter
@@ -376,7 +376,7 @@ def plot(summary, path):
                  "hollow: written to the sockets\n(dotted: a ring's (N-1)/N of theory; N = 1 sends nothing)",
                  fontsize=10)
     ax.set_ylabel("MiB per rank per step")
-    ratios = {s: [r["comm"]["wire_ratio"] for r in rows if r["stage"] == s and r["comm"]["wire_ratio"]] for s in stages}
+    ratios = {s: [r["comm"]["wire_ratio"] for r in g if r["comm"]["wire_ratio"]] for s, g in stages.items()}
     if any(ratios.values()):
         ax.text(0.98, 0.03, "on the wire / ring's share:\n" + "\n".join(
             f"{LABELS[s]} {min(v):.2f}" + (f"-{max(v):.2f}" if max(v) - min(v) >= 0.005 else "")

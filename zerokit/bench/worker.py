@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 import zerokit
 from zerokit import collectives, comm
-from zerokit.stages import STAGE_NAMES
+from zerokit.stages import by_stage
 
 from .runs import run_stage
 from .systems import CONFIGS
@@ -45,10 +45,7 @@ def worker(rank, world_size, opts):
     warm_process(rank, world_size, opts, device)
     results, floors = [], {}
     selected = [c for c in CONFIGS if c.name in opts["configs"]]
-    by_stage = {name: [] for name in STAGE_NAMES}  # each stage's configurations, the stages in order
-    for c in selected:
-        by_stage[c.stage].append(c)
-    for stage_configs in (g for g in by_stage.values() if g):
+    for stage_configs in by_stage(selected, lambda c: c.stage).values():  # the stages in order
         t0 = time.perf_counter()
         stage_results, floors[stage_configs[0].stage] = run_stage(stage_configs, rank, world_size, opts, device, psi)
         for r in stage_results:
