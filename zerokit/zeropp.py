@@ -227,6 +227,8 @@ class ZeROppAdam(ZeRO3Adam):
     """ZeRO3Adam with ZeRO++'s weight-side ideas and FSDP2's `reshard_after_forward` (see the
     module's docstring).
 
+    Takes ZeRO3Adam's arguments (lr, betas, eps, weight_decay, units, prefetch, group, precision,
+    offload, foreach), and:
     reshard_after_forward: True, False, None (the default: ZeRO3Adam itself) or k, the size of a
         node (hpZ). The ranks of `group` form nodes of k consecutive ranks; zerokit.CommCounter's
         node_split(k) shows backward's all-gathers inside them.
@@ -236,14 +238,11 @@ class ZeROppAdam(ZeRO3Adam):
         format, or a student's). Without either option it is ZeRO3Adam.
     """
 
-    def __init__(self, module, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, units=None,
-                 prefetch=True, group=None, precision=None, offload=None, reshard_after_forward=None,
-                 quantize_block=None, quantizer=None, foreach=None):
+    def __init__(self, module, *, reshard_after_forward=None, quantize_block=None, quantizer=None, **options):
         if quantize_block is not None and (not isinstance(quantize_block, int) or isinstance(quantize_block, bool)
                                            or quantize_block < 1):
             raise ValueError(f"quantize_block must be None or a positive number of elements, not {quantize_block!r}")
-        super().__init__(module, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, units=units,
-                         prefetch=prefetch, group=group, precision=precision, offload=offload, foreach=foreach)
+        super().__init__(module, **options)
         self.set_reshard_after_forward(reshard_after_forward)
         self.secondary = [None] * len(self.buckets)  # bucket -> (its secondary shard, node group), while held
         self._ran = [set() for _ in self.units]  # a group's modules whose forward ran in this forward
@@ -371,19 +370,18 @@ class HybridShardAdam(ZeRO3Adam):
     `group`: after each reduce-scatter inside the node, the gradient shard is averaged over its
     replicas, the ranks that hold the same shard in the other nodes (an all-reduce across nodes).
     Every replica then takes the same Adam step on the same shard. Memory per rank is ZeRO-3's
-    at N = k; the traffic across nodes is that all-reduce, $2\Psi/k$ elements."""
+    at N = k; the traffic across nodes is that all-reduce, $2\Psi/k$ elements.
 
-    def __init__(self, module, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, units=None,
-                 prefetch=True, group=None, node_size=None, precision=None, offload=None, foreach=None):
+    Takes ZeRO3Adam's arguments; `group` is every rank of the job (nodes x node_size)."""
+
+    def __init__(self, module, *, node_size=None, group=None, **options):
         if node_size is None:
             raise ValueError("HybridShardAdam needs node_size, the ranks of a node that shard the model")
         self.outer = group  # every rank of the job: nodes x node_size
         node = node_group(node_size, group)
         self.replicas = replica_group(node_size, group)
-        self.n_replicas = dist.get_world_size(self.replicas)
         broadcast_parameters(module.parameters(), group)  # every node starts from the same weights
-        super().__init__(module, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, units=units,
-                         prefetch=prefetch, group=node, precision=precision, offload=offload, foreach=foreach)
+        super().__init__(module, group=node, **options)
         # ZeRO-2's reduce-scatter inside the node, then the mean over the replicas
         self.reduce_collective = partial(hybrid_reduce_scatter, replicas=self.replicas)
 
