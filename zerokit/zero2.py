@@ -105,10 +105,10 @@ class ZeRO2Adam(ZeRO1Adam):
 
     def _on_grad_ready(self, param):
         """The hook: param's gradient has arrived; send every bucket now complete, in order."""
+        bi, _ = self._where[param]
+        self._ready[bi] += 1  # counted inside no_sync() too: ZeRO-3 then frees a unit whose gradients are in
         if not self._sync:  # beyond the exercise: inside no_sync(), gradients accumulate in .grad
             return
-        bi, _ = self._where[param]
-        self._ready[bi] += 1
         while self._next < len(self.buckets) and self._ready[self._next] == len(self.buckets[self._next].params):
             self.send(self._next)
 

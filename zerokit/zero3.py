@@ -430,9 +430,8 @@ class ZeRO3Adam(ZeRO2Adam):
         """ZeRO-2's hook, and under no_sync(): nothing is sent, but a unit whose gradients are
         all in is not needed by this backward any more: free its parameters (its full .grad
         stays, accumulating, until a backward outside no_sync() reduce-scatters it)."""
-        super()._on_grad_ready(param)
+        super()._on_grad_ready(param)  # ZeRO-2's, which counts the arrival
         if not self._sync:
             bi, _ = self._where[param]
-            self._ready[bi] += 1  # ZeRO-2 counts only what it sends: under no_sync the count is ours
             if self._ready[bi] == len(self.buckets[bi].params):
                 self.free(bi)
