@@ -361,3 +361,30 @@ def test_zerokit_classes_derive_from_one_another_at_most_four_deep():
 
     longest = max((chain(c) for c in classes), key=len)
     assert len(longest) <= 4, " > ".join(c.__qualname__ for c in reversed(longest))
+
+
+def test_the_adam_optimizers_share_one_set_of_defaults_and_all_take_foreach():
+    """Each lesson's Adam (01-05, 11) either writes AdamW's hyperparameters with zerokit.Adam's
+    defaults, or takes its parent's arguments as they are (**options): no copy drifts, and
+    foreach= reaches every one that updates shards (the copies once lost it)."""
+    import inspect
+
+    import zerokit
+    from zerokit.zeropp import HybridShardAdam, ZeROppAdam
+
+    def params_of(cls):
+        """{name: default} that cls's constructor accepts, following **options to its parent's."""
+        sig = inspect.signature(cls.__init__).parameters
+        own = {n: p.default for n, p in sig.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+        if any(p.kind is p.VAR_KEYWORD for p in sig.values()):
+            parent = next(b for b in cls.__mro__[1:] if "__init__" in vars(b))
+            return {**params_of(parent), **own}
+        return own
+
+    adam = params_of(zerokit.Adam)
+    hyper = ("lr", "betas", "eps", "weight_decay")
+    for cls in (zerokit.DistributedAdam, zerokit.ZeRO1Adam, zerokit.ZeRO2Adam, zerokit.ZeRO3Adam, ZeROppAdam,
+                HybridShardAdam):
+        accepted = params_of(cls)
+        assert {k: accepted.get(k) for k in hyper} == {k: adam[k] for k in hyper}, cls.__name__
+        assert "foreach" in accepted, f"{cls.__name__} takes no foreach="

@@ -49,16 +49,13 @@ __all__ = ["ZeRO2Adam"]
 class ZeRO2Adam(ZeRO1Adam):
     """AdamW with optimizer state and gradients sharded across ranks (ZeRO stage 2).
 
-    bucket_mb: size of a gradient bucket, in MiB. Smaller buckets start sending earlier
-    and hold less memory in flight; larger ones make fewer, more efficient collectives.
+    ZeRO1Adam's constructor. bucket_mb: size of a gradient bucket, in MiB (default 25, DDP's).
+    Smaller buckets start sending earlier and hold less memory in flight; larger ones make
+    fewer, more efficient collectives.
     """
 
     reduces_in_backward = True  # tells ZeRO1Adam: the hooks below reduce the gradients, step() finds them ready
-
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
-                 bucket_mb=25.0, group=None, precision=None, offload=None, foreach=None):
-        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, group=group,
-                         precision=precision, offload=offload, bucket_mb=bucket_mb, foreach=foreach)
+    bucket_mb = 25.0  # ZeRO1Adam's bucket_mb=None takes this
 
     def _shard(self, group, precision, offload):
         self.grad_shards = []  # this rank's shard of the mean gradient, per bucket
