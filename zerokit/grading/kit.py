@@ -8,7 +8,10 @@
 - the reference: `adamw_reference` runs torch.optim.AdamW (foreach=False) in a one-rank
   launch of its own and caches what it recorded after each step (the ranks that run the
   student's code have torch's Adam disabled, and the notebook's process may have rebound it);
-- data: `rank_batch` cuts this rank's slice out of the global batch of a step;
+- the hyperparameter sets the checks run Adam at (`ADAM_HYPER`, `SHARDED_HYPER`), and why each;
+- data: `rank_batch` cuts this rank's slice out of the global batch of a step, `batch_backward`
+  runs a step's forward and backward on it (or, as the reference's gradient, on the whole batch);
+- `launch_size`: the ranks to launch for a job on a subgroup of a larger world;
 - small readers every check needs: `trainable`, `snapshot`, `gather_object`, `bucket_label`,
   `state_shard`, `assert_changed`;
 - asynchrony made visible: `LazyWork` and `lazy_transfers` stand in for a slow transfer, whose
@@ -35,9 +38,10 @@ from ..reference import rank_slice
 from .compare import assert_close
 from .harness import CheckFailed, run_on_ranks
 
-__all__ = ["SITUATIONS", "check_class", "refusing", "adamw_reference", "global_batch", "rank_batch", "batch_backward", "trainable", "psi_of",
-           "snapshot", "gather_object", "bucket_label", "state_shard", "assert_changed", "optimizer_held_bytes", "assert_adam_shards", "alias", "renamed_args",
-           "try_stretch", "LazyWork", "lazy_transfers", "census_after_gloo_lets_go"]
+__all__ = ["SITUATIONS", "check_class", "refusing", "ADAM_HYPER", "SHARDED_HYPER", "adamw_reference", "global_batch",
+           "rank_batch", "batch_backward", "launch_size", "trainable", "psi_of", "snapshot", "gather_object",
+           "bucket_label", "state_shard", "assert_changed", "optimizer_held_bytes", "assert_adam_shards", "alias",
+           "renamed_args", "try_stretch", "LazyWork", "lazy_transfers", "census_after_gloo_lets_go"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -173,14 +177,31 @@ def rank_batch(model, step, size, rank, world_size, stream=0):
     return rank_slice(x, rank, world_size), rank_slice(y, rank, world_size)
 
 
-def batch_backward(net, model, step, size, stream=0, rank=None, world_size=None):
+def batch_backward(net, step, model, size, stream=0, rank=None, world_size=None):
     """Forward and backward of the global batch of `step` (rank None: one process has it all),
-    or of this rank's slice of it."""
+    or of this rank's slice of it. With rank None it is adamw_reference's `backward` for a lesson
+    whose ranks each take an equal slice of one batch: args (model, size, stream)."""
     if rank is None:
         x, y = global_batch(model, step, size, stream)
     else:
         x, y = rank_batch(model, step, size, rank, world_size, stream)
     model_loss(model, net(x), y).backward()
+
+
+# ---------------------------------------------------------------------------------------
+# the hyperparameters the checks run Adam at, named once. A check's numbers (its tolerances, the
+# hints that redo a step) were measured at its lesson's set, so a lesson's HYPER names one of these
+# and keeps it; where a lesson changes a value, it says why.
+
+# torch.optim.AdamW's defaults but lr 1e-2 (a few steps move every weight well clear of rounding):
+# lessons 01-03, whose weight decay is each check's argument (lesson 01's default 0.01); lesson 06
+# at lr 1e-3
+ADAM_HYPER = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8)
+# the sharded stages against AdamW on one process, on a transformer (lessons 04, 05, 07, 08, 11):
+# eps 1e-6, not 1e-8. Adam divides each gradient element by sqrt(v) + eps, so an element that is
+# ~1e-9 by cancellation (the transformer has a few) turns the rounding of a different summation
+# order into weight differences of ~1e-4 at eps = 1e-8; at 1e-6, ~1e-6.
+SHARDED_HYPER = dict(lr=1e-2, weight_decay=0.1, eps=1e-6)
 
 
 # ---------------------------------------------------------------------------------------
@@ -244,6 +265,16 @@ def psi_of(model):
 
 def snapshot(model):
     return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def launch_size(world_size, group_ranks):
+    """How many ranks to launch for a job of world_size ranks on the global ranks `group_ranks` of
+    a larger world (a subgroup; None: the whole launch is the job)."""
+    if group_ranks is None:
+        return world_size
+    if len(group_ranks) != world_size or sorted(group_ranks) != list(group_ranks):
+        raise ValueError(f"group_ranks must be world_size = {world_size} increasing global ranks, not {group_ranks}")
+    return max(group_ranks) + 1
 
 
 def gather_object(obj):

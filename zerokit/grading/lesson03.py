@@ -44,7 +44,7 @@ from ..models import build_model, model_loss
 from .compare import assert_close
 from .harness import CheckFailed, passed, run_on_ranks
 from .kit import try_stretch as run_stretch
-from .kit import (adamw_reference, alias, assert_changed, batch_backward, check_class, gather_object,
+from .kit import (ADAM_HYPER, adamw_reference, alias, assert_changed, batch_backward, check_class, gather_object,
                   optimizer_held_bytes, psi_of, rank_batch, refusing, trainable)
 
 __all__ = ["check_shard_range", "check_numerics", "check_memory", "check_traffic", "check_unused_parameters"]
@@ -71,7 +71,7 @@ SITUATIONS = {
 
 GLOBAL_BATCH = 12  # divisible by 2, 3 and 4: every rank gets its own, equal slice
 STREAM = 303  # this lesson's data
-HYPER = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8)
+HYPER = ADAM_HYPER
 STATE_RTOL = 1e-4
 SCALARS_ALLOWANCE = 1024  # bytes of small bookkeeping tensors an optimizer may keep
 
@@ -174,13 +174,8 @@ def _make(cls, model, weight_decay):
     return opt
 
 
-def _backward(model, step, name, rank=None, world_size=None):
-    """The gradient of the global batch of `step` (one process), or of this rank's slice of it."""
-    batch_backward(model, name, step, GLOBAL_BATCH, STREAM, rank, world_size)
-
-
 def _train_step(name, model, opt, step, rank, world_size):
-    _backward(model, step, name, rank, world_size)
+    batch_backward(model, step, name, GLOBAL_BATCH, STREAM, rank, world_size)
     opt.step()
     opt.zero_grad()
 
@@ -325,8 +320,8 @@ def check_numerics(cls, world_size=2, model="small-mlp", steps=4, weight_decay=0
     whole batch in one process: every parameter after every step, and this rank's shard of m and v."""
     __tracebackhide__ = True
     _check_class(cls)
-    reference = adamw_reference(model, steps, {**HYPER, "weight_decay": weight_decay}, _backward, (model,),
-                                timeout=timeout)
+    reference = adamw_reference(model, steps, {**HYPER, "weight_decay": weight_decay}, batch_backward,
+                                (model, GLOBAL_BATCH, STREAM), timeout=timeout)
     psi = run_on_ranks(_numerics_case, world_size, args=(cls, model, steps, weight_decay, reference),
                        timeout=timeout, what=cls.__name__)[0]
     passed(f"{cls.__name__} matches torch.optim.AdamW on {world_size} ranks ({model}, Ψ = {psi}, weight decay "
@@ -377,7 +372,7 @@ def _memory_case(rank, world_size, cls, name, steps, weight_decay):
             model = build_model(name)
             psi = psi_of(model)
             # one forward and backward first: whatever torch creates lazily exists before we count
-            _backward(model, 0, name, rank, world_size)
+            batch_backward(model, 0, name, GLOBAL_BATCH, STREAM, rank, world_size)
             for p in model.parameters():
                 p.grad = None
             initial = [p.detach().clone() for p in model.parameters()]
@@ -458,7 +453,7 @@ def _comm_case(rank, world_size, cls, name, steps, weight_decay):
         opt = _make(cls, model, weight_decay)
         per_step = []
         for step in range(steps):
-            _backward(model, step, name, rank, world_size)
+            batch_backward(model, step, name, GLOBAL_BATCH, STREAM, rank, world_size)
             with CommCounter() as comm:
                 opt.step()
             opt.zero_grad()
@@ -522,7 +517,7 @@ def _unused_backward(net, step, name, world_size, rank=None):
     one process, as the reference sees it). On "branch" each rank runs the branch or not, as
     _branch_used says; "edge" never uses its `unused` layer."""
     if name != "branch":
-        batch_backward(net, name, step, GLOBAL_BATCH, STREAM, rank, world_size)
+        batch_backward(net, step, name, GLOBAL_BATCH, STREAM, rank, world_size)
         return
     for r in range(world_size) if rank is None else (rank,):
         x, y = rank_batch(name, step, GLOBAL_BATCH, r, world_size, STREAM)
@@ -679,7 +674,7 @@ def _groups_reference_case(_rank, _world_size, name, steps):
     opt = torch.optim.AdamW(_grouped(net), foreach=False, **HYPER)
     out = []
     for step in range(steps):
-        _backward(net, step, name)
+        batch_backward(net, step, name, GLOBAL_BATCH, STREAM)
         opt.step()
         opt.zero_grad(set_to_none=True)
         out.append({n: p.detach().clone() for n, p in net.named_parameters()})
