@@ -57,7 +57,7 @@ from ..fully_shard import collectives as _collectives
 from ..fully_shard import param as _param
 from .compare import assert_close
 from .harness import CheckFailed, passed, run_on_ranks
-from .kit import refusing
+from .kit import launch_size, refusing
 
 __all__ = ["check_dim0_chunk", "check_shard_param", "check_copy_in", "check_copy_out", "check_chunk_cat",
            "check_shard_grads", "UNIT"]
@@ -191,14 +191,6 @@ def _mesh(group_ranks, world_size):
     if dist.get_rank() not in ranks:
         return None, mesh
     return mesh.get_local_rank(), mesh
-
-
-def _launch_size(world_size, group_ranks):
-    if group_ranks is None:
-        return world_size
-    if len(group_ranks) != world_size or sorted(group_ranks) != list(group_ranks):
-        raise ValueError(f"group_ranks must be world_size = {world_size} increasing global ranks, not {group_ranks}")
-    return max(group_ranks) + 1
 
 
 def _where(group_ranks):
@@ -446,7 +438,7 @@ def check_shard_param(shard_param, world_size=3, group_ranks=None, dtype=torch.f
     group_ranks: the mesh over these global ranks only (a process subgroup)."""
     __tracebackhide__ = True
     _callable(shard_param, "shard_param")
-    run_on_ranks(_shard_param_case, _launch_size(world_size, group_ranks),
+    run_on_ranks(_shard_param_case, launch_size(world_size, group_ranks),
                  args=(shard_param, world_size, group_ranks, dtype, checkpoint), timeout=timeout,
                  what="your shard_param")
     layout = "; ".join(f"{name} {'x'.join(map(str, shape))}: "
@@ -752,7 +744,7 @@ def check_shard_grads(shard_grads, world_size=3, group_ranks=None, dtype=torch.f
     group_ranks: the mesh over these global ranks only (a process subgroup)."""
     __tracebackhide__ = True
     _callable(shard_grads, "shard_grads")
-    sizes = run_on_ranks(_shard_grads_case, _launch_size(world_size, group_ranks),
+    sizes = run_on_ranks(_shard_grads_case, launch_size(world_size, group_ranks),
                          args=(shard_grads, world_size, group_ranks, dtype), timeout=timeout, what="your shard_grads")
     sizes = [s for s in sizes if s is not None]
     passed(f"shard_grads on {world_size} ranks{_where(group_ranks)} ({_dtype_name(dtype)}): {len(_trainable())} "
