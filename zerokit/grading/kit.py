@@ -29,6 +29,7 @@ import gc
 import inspect
 import sys
 import time
+import types
 
 import torch
 import torch.distributed as dist
@@ -38,10 +39,11 @@ from ..reference import rank_slice
 from .compare import assert_close
 from .harness import CheckFailed, run_on_ranks
 
-__all__ = ["SITUATIONS", "check_class", "refusing", "ADAM_HYPER", "SHARDED_HYPER", "adamw_reference", "global_batch",
-           "rank_batch", "batch_backward", "launch_size", "trainable", "psi_of", "snapshot", "gather_object",
-           "bucket_label", "state_shard", "assert_changed", "optimizer_held_bytes", "assert_adam_shards", "alias",
-           "renamed_args", "try_stretch", "LazyWork", "lazy_transfers", "census_after_gloo_lets_go"]
+__all__ = ["SITUATIONS", "check_class", "refusing", "intact", "ADAM_HYPER", "SHARDED_HYPER", "adamw_reference",
+           "global_batch", "rank_batch", "branch_used", "batch_backward", "launch_size", "build_optimizer", "trainable",
+           "psi_of", "snapshot", "gather_object", "bucket_label", "state_shard", "assert_changed",
+           "optimizer_held_bytes", "assert_adam_shards", "alias", "renamed_args", "try_stretch", "LazyWork",
+           "lazy_transfers", "census_after_gloo_lets_go"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -162,6 +164,13 @@ def refusing(*targets, everywhere=False):
             setattr(obj, name, value)
 
 
+def intact(fn):
+    """A function of its own with fn's code: refusing(..., everywhere=True) swaps the code of zerokit's
+    function object itself (to catch a student's call), and the checks still need the original."""
+    fn = inspect.unwrap(fn)
+    return types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
 # ---------------------------------------------------------------------------------------
 # data
 
@@ -175,6 +184,11 @@ def rank_batch(model, step, size, rank, world_size, stream=0):
     """This rank's equal slice of the global batch of `step`."""
     x, y = global_batch(model, step, size, stream)
     return rank_slice(x, rank, world_size), rank_slice(y, rank, world_size)
+
+
+def branch_used(step, rank):
+    """Whether `rank` runs BranchNet's branch in `step`: every rank, none, every rank, even ranks only."""
+    return (True, False, True, rank % 2 == 0)[step % 4]
 
 
 def batch_backward(net, step, model, size, stream=0, rank=None, world_size=None):
@@ -251,6 +265,14 @@ def adamw_reference(model, steps, hyper, backward, args=(), *, seed=0, optimizer
 
 # ---------------------------------------------------------------------------------------
 # small readers
+
+
+def build_optimizer(cls, params, **hyper):
+    """The student's cls(params, **hyper), which must be a torch.optim.Optimizer (the scaffold's base)."""
+    opt = cls(params, **hyper)
+    if not isinstance(opt, torch.optim.Optimizer):
+        raise AssertionError(f"{type(opt).__name__} is not a torch.optim.Optimizer")
+    return opt
 
 
 def trainable(model):

@@ -36,7 +36,8 @@ from ..comm import CommCounter
 from ..models import build_model
 from .compare import assert_close, max_abs_diff
 from .harness import CheckFailed, passed, run_on_ranks
-from .kit import ADAM_HYPER, adamw_reference, alias, batch_backward, check_class, psi_of, refusing, trainable
+from .kit import (ADAM_HYPER, adamw_reference, alias, batch_backward, build_optimizer, check_class, psi_of, refusing,
+                  trainable)
 
 __all__ = ["check_average_gradients", "check_numerics", "check_traffic"]
 
@@ -224,13 +225,6 @@ def _use_reference_average(cls):
                 glob["average_gradients"] = _REFERENCE_AVERAGE
 
 
-def _make(cls, model, weight_decay):
-    opt = cls(model.parameters(), weight_decay=weight_decay, **HYPER)
-    if not isinstance(opt, torch.optim.Optimizer):
-        raise AssertionError(f"{type(opt).__name__} is not a torch.optim.Optimizer")
-    return opt
-
-
 def _flat(tensors):
     return torch.cat([t.detach().reshape(-1) for t in tensors]).clone()
 
@@ -293,7 +287,7 @@ def _numerics_case(rank, world_size, cls, name, steps, weight_decay, reference):
         # replicas start equal only if the optimizer makes them so
         model = build_model(name, seed=0 if rank == 0 else 1000 + rank)
         names = [n for n, _ in model.named_parameters()]
-        opt = _make(cls, model, weight_decay)
+        opt = build_optimizer(cls, model.parameters(), weight_decay=weight_decay, **HYPER)
         differs = _replicas_differ(model)
         if differs:
             r, diff, names = differs
@@ -373,7 +367,7 @@ def _comm_case(rank, world_size, cls, name, steps, weight_decay):
         _use_reference_average(cls)
         model = build_model(name)
         initial = _flat(model.parameters())
-        opt = _make(cls, model, weight_decay)
+        opt = build_optimizer(cls, model.parameters(), weight_decay=weight_decay, **HYPER)
         per_step = []
         for step in range(steps):
             batch_backward(model, step, name, GLOBAL_BATCH, STREAM, rank, world_size)

@@ -44,8 +44,8 @@ from ..models import build_model, model_loss
 from .compare import assert_close
 from .harness import CheckFailed, passed, run_on_ranks
 from .kit import try_stretch as run_stretch
-from .kit import (ADAM_HYPER, adamw_reference, alias, assert_changed, batch_backward, check_class, gather_object,
-                  optimizer_held_bytes, psi_of, rank_batch, refusing, trainable)
+from .kit import (ADAM_HYPER, adamw_reference, alias, assert_changed, batch_backward, branch_used, build_optimizer,
+                  check_class, gather_object, optimizer_held_bytes, psi_of, rank_batch, refusing, trainable)
 
 __all__ = ["check_shard_range", "check_numerics", "check_memory", "check_traffic", "check_unused_parameters"]
 
@@ -167,13 +167,6 @@ def _check_class(cls):
                          "torch.optim.Optimizer, as the scaffold does)")])
 
 
-def _make(cls, model, weight_decay):
-    opt = cls(model.parameters(), weight_decay=weight_decay, **HYPER)
-    if not isinstance(opt, torch.optim.Optimizer):
-        raise AssertionError(f"{type(opt).__name__} is not a torch.optim.Optimizer")
-    return opt
-
-
 def _train_step(name, model, opt, step, rank, world_size):
     batch_backward(model, step, name, GLOBAL_BATCH, STREAM, rank, world_size)
     opt.step()
@@ -219,7 +212,7 @@ def _numerics_case(rank, world_size, cls, name, steps, weight_decay, reference):
         start, end = reference_shard_range(psi, world_size, rank)
         pad = padded_numel(psi, world_size) - psi
         trainable = [n for n, p in model.named_parameters() if p.requires_grad]
-        opt = _make(cls, model, weight_decay)
+        opt = build_optimizer(cls, model.parameters(), weight_decay=weight_decay, **HYPER)
 
         def flat_weights():
             named = dict(model.named_parameters())
@@ -378,7 +371,7 @@ def _memory_case(rank, world_size, cls, name, steps, weight_decay):
             initial = [p.detach().clone() for p in model.parameters()]
 
             def run_steps(model):
-                opt = _make(cls, model, weight_decay)
+                opt = build_optimizer(cls, model.parameters(), weight_decay=weight_decay, **HYPER)
                 built.append(opt)
                 for step in range(steps):
                     _train_step(name, model, opt, step, rank, world_size)
@@ -450,7 +443,7 @@ def _comm_case(rank, world_size, cls, name, steps, weight_decay):
         model = build_model(name)
         psi = psi_of(model)
         initial = [p.detach().clone() for p in model.parameters()]
-        opt = _make(cls, model, weight_decay)
+        opt = build_optimizer(cls, model.parameters(), weight_decay=weight_decay, **HYPER)
         per_step = []
         for step in range(steps):
             batch_backward(model, step, name, GLOBAL_BATCH, STREAM, rank, world_size)
@@ -507,11 +500,6 @@ def check_traffic(cls, world_size=2, model="small-mlp", steps=2, weight_decay=0.
 # parameters without a gradient: AdamW leaves them alone
 
 
-def _branch_used(step, rank):
-    """Whether `rank` runs BranchNet's branch in `step`: every rank, none, every rank, even ranks only."""
-    return (True, False, True, rank % 2 == 0)[step % 4]
-
-
 def _unused_backward(net, step, name, world_size, rank=None):
     """The gradient of `step` on this rank's slice (rank None: the mean over every rank's slice in
     one process, as the reference sees it). On "branch" each rank runs the branch or not, as
@@ -521,7 +509,7 @@ def _unused_backward(net, step, name, world_size, rank=None):
         return
     for r in range(world_size) if rank is None else (rank,):
         x, y = rank_batch(name, step, GLOBAL_BATCH, r, world_size, STREAM)
-        loss = model_loss(name, net(x, use_branch=_branch_used(step, r)), y)
+        loss = model_loss(name, net(x, use_branch=branch_used(step, r)), y)
         (loss / world_size if rank is None else loss).backward()
 
 
@@ -585,7 +573,7 @@ def _unused_case(rank, world_size, cls, name, steps, weight_decay, reference):
             if lo < hi:
                 where[n] = (lo - start, hi - start)
             offset += p.numel()
-        opt = _make(cls, model, weight_decay)
+        opt = build_optimizer(cls, model.parameters(), weight_decay=weight_decay, **HYPER)
         history = []  # per step: {parameter name: the ranks that had a gradient for it}
         for step in range(steps):
             before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -684,9 +672,7 @@ def _groups_reference_case(_rank, _world_size, name, steps):
 def _groups_case(rank, world_size, cls, name, steps, reference):
     with refusing(*NO_ZEROKIT_STAGE):
         model = build_model(name)
-        opt = cls(_grouped(model), **HYPER)
-        if not isinstance(opt, torch.optim.Optimizer):
-            raise AssertionError(f"{type(opt).__name__} is not a torch.optim.Optimizer")
+        opt = build_optimizer(cls, _grouped(model), **HYPER)
         group_of = {n: 0 if n.startswith(GROUPS[0]["prefixes"]) else 1 for n, _ in model.named_parameters()}
         for step in range(steps):
             _train_step(name, model, opt, step, rank, world_size)

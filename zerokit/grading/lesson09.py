@@ -56,8 +56,8 @@ from ..models import build_model, model_loss
 from ..zero1 import ZeRO1Adam
 from .compare import assert_close
 from .harness import CheckFailed, passed, run_on_ranks
-from .kit import (assert_changed, check_class, gather_object, global_batch, optimizer_held_bytes, rank_batch,
-                  refusing, snapshot)
+from .kit import (assert_changed, branch_used, build_optimizer, check_class, gather_object, global_batch,
+                  optimizer_held_bytes, rank_batch, refusing, snapshot)
 
 __all__ = ["check_numerics", "check_state", "check_traffic", "check_balance"]
 
@@ -109,13 +109,6 @@ def _check_class(cls):
                          "(subclass torch.optim.Optimizer, as the scaffold does)")])
 
 
-def _make(cls, params):
-    opt = cls(params, **MUON)
-    if not isinstance(opt, torch.optim.Optimizer):
-        raise AssertionError(f"{type(opt).__name__} is not a torch.optim.Optimizer")
-    return opt
-
-
 def _matrices(model):
     """(name, parameter) of every 2-D parameter, frozen ones too (torch.optim.Muon takes them and skips
     what has no gradient), and the other parameters."""
@@ -123,13 +116,8 @@ def _matrices(model):
     return [(n, p) for n, p in named if p.dim() == 2], [p for _, p in named if p.dim() != 2]
 
 
-def _branch_used(step, rank):
-    """Whether `rank` runs BranchNet's branch in `step`: every rank, none, every rank, even ranks only."""
-    return (True, False, True, rank % 2 == 0)[step % 4]
-
-
 def _forward_loss(net, name, x, y, step, rank):
-    out = net(x, use_branch=_branch_used(step, rank)) if name == "branch" else net(x)
+    out = net(x, use_branch=branch_used(step, rank)) if name == "branch" else net(x)
     return model_loss(name, out, y)
 
 
@@ -446,7 +434,7 @@ def _numerics_one(rank, world_size, cls, name, steps, same_data, accumulation, r
     bitwise = same_data and accumulation == 1
     model = build_model(name)
     named, rest = _matrices(model)
-    opt = _make(cls, [p for _, p in named])
+    opt = build_optimizer(cls, [p for _, p in named], **MUON)
     trainable_rest = [p for p in rest if p.requires_grad]
     adam = ZeRO1Adam(trainable_rest, **ADAMW) if trainable_rest else None
     # the yardstick of each step: torch.optim.Muon from the student's weights and the check's mean gradient
@@ -600,7 +588,7 @@ def _state_case(rank, world_size, cls, name, steps):
             initial = [p.detach().clone() for p in model.parameters()]
 
             def run_steps(model):
-                opt = _make(cls, [p for _, p in named])
+                opt = build_optimizer(cls, [p for _, p in named], **MUON)
                 built.append(opt)
                 for step in range(steps):
                     _backward(model, name, step, world_size, rank)
@@ -665,7 +653,7 @@ def _traffic_case(rank, world_size, cls, name, steps):
         model = build_model(name)
         named, _ = _matrices(model)
         initial = [p.detach().clone() for _, p in named]
-        opt = _make(cls, [p for _, p in named])
+        opt = build_optimizer(cls, [p for _, p in named], **MUON)
         per_step = []
         for step in range(steps):
             with CommCounter() as comm:  # backward too: a step may send what hooks prepared during it
@@ -751,7 +739,7 @@ def _balance_case(rank, world_size, cls, shapes):
         gen = torch.Generator().manual_seed(0)
         params = [torch.nn.Parameter(torch.randn(*s, generator=gen)) for s in shapes]
         before = [p.detach().clone() for p in params]
-        opt = _make(cls, params)
+        opt = build_optimizer(cls, params, **MUON)
         gen = torch.Generator().manual_seed(1 + rank)  # each rank its own gradient, through backward (hooks run)
         grads = [torch.randn(p.shape, generator=gen) for p in params]
 

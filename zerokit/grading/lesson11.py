@@ -47,7 +47,6 @@ cost check_quantize alone.
 import gc
 import inspect
 import math
-import types
 
 import torch
 import torch.distributed as dist
@@ -61,8 +60,8 @@ from ..reference import rank_slice
 from ..zero3 import ZeRO3Adam
 from .compare import assert_close
 from .harness import CheckFailed, passed, run_on_ranks
-from .kit import (SHARDED_HYPER, adamw_reference, batch_backward, census_after_gloo_lets_go, check_class, launch_size,
-                  rank_batch, refusing)
+from .kit import (SHARDED_HYPER, adamw_reference, batch_backward, census_after_gloo_lets_go, check_class, intact,
+                  launch_size, rank_batch, refusing)
 
 __all__ = ["check_hpz_numerics", "check_hpz_traffic", "check_hpz_memory", "check_quantize", "check_qwz_gather",
            "check_qwz_training"]
@@ -806,15 +805,8 @@ def _judge_quantiser(quantize, dequantize, label, x, block):
                              f"block's step ({float(step[i]) / 2:.3g})")
 
 
-def _intact(fn):
-    """A function of its own with fn's code: refusing(..., everywhere=True) swaps the code of zerokit's
-    function object itself (to catch a student's call), and the checks still need the original."""
-    fn = inspect.unwrap(fn)
-    return types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-
-
-_REFERENCE_QUANTIZE = _intact(zeropp.quantize_blocks)  # taken when the checks are imported, before any student code
-_REFERENCE_DEQUANTIZE = _intact(zeropp.dequantize_blocks)
+_REFERENCE_QUANTIZE = intact(zeropp.quantize_blocks)  # taken when the checks are imported, before any student code
+_REFERENCE_DEQUANTIZE = intact(zeropp.dequantize_blocks)
 
 
 def check_quantize(quantize, dequantize, timeout=60.0):

@@ -46,7 +46,6 @@ import inspect
 import math
 import shutil
 import tempfile
-import types
 
 import torch
 import torch.distributed as dist
@@ -57,7 +56,7 @@ from ..fully_shard import collectives as _collectives
 from ..fully_shard import param as _param
 from .compare import assert_close
 from .harness import CheckFailed, passed, run_on_ranks
-from .kit import launch_size, refusing
+from .kit import intact, launch_size, refusing
 
 __all__ = ["check_dim0_chunk", "check_shard_param", "check_copy_in", "check_copy_out", "check_chunk_cat",
            "check_shard_grads", "UNIT"]
@@ -93,14 +92,7 @@ _ZERO_GRAD = "few_rows"  # its gradient is zeros on every rank (rows no sample u
 _REFUSED = "your code used zerokit.fully_shard's own {}: the exercise is to write it"
 
 
-def _intact(fn):
-    """A function of its own with fn's code: refusing(..., everywhere=True) swaps the code of zerokit's function
-    object itself (to catch a student's call), and the checks still need the original."""
-    fn = inspect.unwrap(fn)
-    return types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-
-
-_REFERENCE_DIM0_CHUNK = _intact(_param.dim0_chunk)  # taken when the checks are imported, before any student code
+_REFERENCE_DIM0_CHUNK = intact(_param.dim0_chunk)  # taken when the checks are imported, before any student code
 
 
 def _refusals():
