@@ -40,10 +40,10 @@ from .compare import assert_close
 from .harness import CheckFailed, run_on_ranks
 
 __all__ = ["SITUATIONS", "check_class", "refusing", "intact", "ADAM_HYPER", "SHARDED_HYPER", "adamw_reference",
-           "global_batch", "rank_batch", "branch_used", "batch_backward", "launch_size", "build_optimizer", "trainable",
-           "psi_of", "snapshot", "gather_object", "bucket_label", "state_shard", "assert_changed",
-           "optimizer_held_bytes", "assert_adam_shards", "alias", "renamed_args", "try_stretch", "LazyWork",
-           "lazy_transfers", "census_after_gloo_lets_go"]
+           "global_batch", "rank_batch", "branch_used", "batch_backward", "ranks_backward", "launch_size",
+           "build_optimizer", "trainable", "psi_of", "snapshot", "gather_object", "bucket_label", "state_shard",
+           "assert_changed", "optimizer_held_bytes", "assert_adam_shards", "alias", "renamed_args", "try_stretch",
+           "LazyWork", "lazy_transfers", "census_after_gloo_lets_go"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -200,6 +200,27 @@ def batch_backward(net, step, model, size, stream=0, rank=None, world_size=None)
     else:
         x, y = rank_batch(model, step, size, rank, world_size, stream)
     model_loss(model, net(x), y).backward()
+
+
+def ranks_backward(net, step, model, size, stream, world_size, rank=None, accumulation=1, same_data=False):
+    """batch_backward where BranchNet ("branch") runs its branch on the ranks branch_used says.
+    rank None: one process, the mean of every rank's loss (the whole batch at once on other models).
+    Else this rank's slice (the whole batch with same_data), in `accumulation` micro-batches, each
+    loss divided by their number."""
+    def loss_of(x, y, r):
+        return model_loss(model, net(x, use_branch=branch_used(step, r)) if model == "branch" else net(x), y)
+
+    if rank is None and model != "branch":
+        batch_backward(net, step, model, size, stream)
+    elif rank is None:
+        for r in range(world_size):
+            (loss_of(*rank_batch(model, step, size, r, world_size, stream), r) / world_size).backward()
+    else:
+        x, y = (global_batch(model, step, size, stream) if same_data else
+                rank_batch(model, step, size, rank, world_size, stream))
+        for xs, ys in zip(x.chunk(accumulation), y.chunk(accumulation)):
+            loss = loss_of(xs, ys, rank)
+            (loss / accumulation if accumulation > 1 else loss).backward()
 
 
 # ---------------------------------------------------------------------------------------

@@ -40,12 +40,12 @@ from .. import zero1 as zerokit_zero1
 from ..comm import CommCounter, reduce_scatter
 from ..flat import padded_numel
 from ..flat import shard_range as reference_shard_range
-from ..models import build_model, model_loss
+from ..models import build_model
 from .compare import assert_close
 from .harness import CheckFailed, passed, run_on_ranks
 from .kit import try_stretch as run_stretch
-from .kit import (ADAM_HYPER, adamw_reference, alias, assert_changed, batch_backward, branch_used, build_optimizer,
-                  check_class, gather_object, optimizer_held_bytes, psi_of, rank_batch, refusing, trainable)
+from .kit import (ADAM_HYPER, adamw_reference, alias, assert_changed, batch_backward, build_optimizer, check_class,
+                  gather_object, optimizer_held_bytes, psi_of, ranks_backward, refusing, trainable)
 
 __all__ = ["check_shard_range", "check_numerics", "check_memory", "check_traffic", "check_unused_parameters"]
 
@@ -500,19 +500,6 @@ def check_traffic(cls, world_size=2, model="small-mlp", steps=2, weight_decay=0.
 # parameters without a gradient: AdamW leaves them alone
 
 
-def _unused_backward(net, step, name, world_size, rank=None):
-    """The gradient of `step` on this rank's slice (rank None: the mean over every rank's slice in
-    one process, as the reference sees it). On "branch" each rank runs the branch or not, as
-    _branch_used says; "edge" never uses its `unused` layer."""
-    if name != "branch":
-        batch_backward(net, step, name, GLOBAL_BATCH, STREAM, rank, world_size)
-        return
-    for r in range(world_size) if rank is None else (rank,):
-        x, y = rank_batch(name, step, GLOBAL_BATCH, r, world_size, STREAM)
-        loss = model_loss(name, net(x, use_branch=branch_used(step, r)), y)
-        (loss / world_size if rank is None else loss).backward()
-
-
 def _stuck(before, after, expected):
     """The elements AdamW moved (by more than rounding could hide) that the student's step left exactly as
     they were: a skipped update, whatever the tolerance of the comparison."""
@@ -577,7 +564,7 @@ def _unused_case(rank, world_size, cls, name, steps, weight_decay, reference):
         history = []  # per step: {parameter name: the ranks that had a gradient for it}
         for step in range(steps):
             before = {n: p.detach().clone() for n, p in model.named_parameters()}
-            _unused_backward(model, step, name, world_size, rank)
+            ranks_backward(model, step, name, GLOBAL_BATCH, STREAM, world_size, rank)
             mine = {n: p.grad is not None for n, p in named}
             everyone = gather_object(mine)
             history.append({n: [r for r in range(world_size) if everyone[r][n]] for n, _ in named})
@@ -632,7 +619,8 @@ def check_unused_parameters(cls, world_size=2, models=("edge", "branch", "sparse
     __tracebackhide__ = True
     _check_class(cls)
     hyper = {**HYPER, "weight_decay": weight_decay}
-    references = [adamw_reference(name, steps, hyper, _unused_backward, (name, world_size), timeout=timeout)
+    references = [adamw_reference(name, steps, hyper, ranks_backward, (name, GLOBAL_BATCH, STREAM, world_size),
+                                  timeout=timeout)
                   for name in models]
     # one launch for every model: the ranks start once
     run_on_ranks(_unused_cases, world_size, args=(cls, list(models), steps, weight_decay, references),
