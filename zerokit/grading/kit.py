@@ -8,7 +8,10 @@
 - the reference: `adamw_reference` runs torch.optim.AdamW (foreach=False) in a one-rank
   launch of its own and caches what it recorded after each step (the ranks that run the
   student's code have torch's Adam disabled, and the notebook's process may have rebound it);
-- data: `rank_batch` cuts this rank's slice out of the global batch of a step;
+- the hyperparameter sets the checks run Adam at (`ADAM_HYPER`, `SHARDED_HYPER`), and why each;
+- data: `rank_batch` cuts this rank's slice out of the global batch of a step, `batch_backward`
+  runs a step's forward and backward on it (or, as the reference's gradient, on the whole batch);
+- `launch_size`: the ranks to launch for a job on a subgroup of a larger world;
 - small readers every check needs: `trainable`, `snapshot`, `gather_object`, `bucket_label`,
   `state_shard`, `assert_changed`;
 - asynchrony made visible: `LazyWork` and `lazy_transfers` stand in for a slow transfer, whose
@@ -26,6 +29,7 @@ import gc
 import inspect
 import sys
 import time
+import types
 
 import torch
 import torch.distributed as dist
@@ -35,9 +39,11 @@ from ..reference import rank_slice
 from .compare import assert_close
 from .harness import CheckFailed, run_on_ranks
 
-__all__ = ["SITUATIONS", "check_class", "refusing", "adamw_reference", "global_batch", "rank_batch", "batch_backward", "trainable", "psi_of",
-           "snapshot", "gather_object", "bucket_label", "state_shard", "assert_changed", "optimizer_held_bytes", "assert_adam_shards", "alias", "renamed_args",
-           "try_stretch", "LazyWork", "lazy_transfers", "census_after_gloo_lets_go"]
+__all__ = ["SITUATIONS", "check_class", "refusing", "intact", "ADAM_HYPER", "SHARDED_HYPER", "adamw_reference",
+           "global_batch", "rank_batch", "branch_used", "batch_backward", "ranks_backward", "launch_size",
+           "build_optimizer", "trainable", "psi_of", "snapshot", "gather_object", "bucket_label", "state_shard",
+           "assert_changed", "optimizer_held_bytes", "assert_adam_shards", "alias", "renamed_args", "try_stretch",
+           "LazyWork", "lazy_transfers", "census_after_gloo_lets_go"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -158,6 +164,13 @@ def refusing(*targets, everywhere=False):
             setattr(obj, name, value)
 
 
+def intact(fn):
+    """A function of its own with fn's code: refusing(..., everywhere=True) swaps the code of zerokit's
+    function object itself (to catch a student's call), and the checks still need the original."""
+    fn = inspect.unwrap(fn)
+    return types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
 # ---------------------------------------------------------------------------------------
 # data
 
@@ -173,14 +186,57 @@ def rank_batch(model, step, size, rank, world_size, stream=0):
     return rank_slice(x, rank, world_size), rank_slice(y, rank, world_size)
 
 
-def batch_backward(net, model, step, size, stream=0, rank=None, world_size=None):
+def branch_used(step, rank):
+    """Whether `rank` runs BranchNet's branch in `step`: every rank, none, every rank, even ranks only."""
+    return (True, False, True, rank % 2 == 0)[step % 4]
+
+
+def batch_backward(net, step, model, size, stream=0, rank=None, world_size=None):
     """Forward and backward of the global batch of `step` (rank None: one process has it all),
-    or of this rank's slice of it."""
+    or of this rank's slice of it. With rank None it is adamw_reference's `backward` for a lesson
+    whose ranks each take an equal slice of one batch: args (model, size, stream)."""
     if rank is None:
         x, y = global_batch(model, step, size, stream)
     else:
         x, y = rank_batch(model, step, size, rank, world_size, stream)
     model_loss(model, net(x), y).backward()
+
+
+def ranks_backward(net, step, model, size, stream, world_size, rank=None, accumulation=1, same_data=False):
+    """batch_backward where BranchNet ("branch") runs its branch on the ranks branch_used says.
+    rank None: one process, the mean of every rank's loss (the whole batch at once on other models).
+    Else this rank's slice (the whole batch with same_data), in `accumulation` micro-batches, each
+    loss divided by their number."""
+    def loss_of(x, y, r):
+        return model_loss(model, net(x, use_branch=branch_used(step, r)) if model == "branch" else net(x), y)
+
+    if rank is None and model != "branch":
+        batch_backward(net, step, model, size, stream)
+    elif rank is None:
+        for r in range(world_size):
+            (loss_of(*rank_batch(model, step, size, r, world_size, stream), r) / world_size).backward()
+    else:
+        x, y = (global_batch(model, step, size, stream) if same_data else
+                rank_batch(model, step, size, rank, world_size, stream))
+        for xs, ys in zip(x.chunk(accumulation), y.chunk(accumulation)):
+            loss = loss_of(xs, ys, rank)
+            (loss / accumulation if accumulation > 1 else loss).backward()
+
+
+# ---------------------------------------------------------------------------------------
+# the hyperparameters the checks run Adam at, named once. A check's numbers (its tolerances, the
+# hints that redo a step) were measured at its lesson's set, so a lesson's HYPER names one of these
+# and keeps it; where a lesson changes a value, it says why.
+
+# torch.optim.AdamW's defaults but lr 1e-2 (a few steps move every weight well clear of rounding):
+# lessons 01-03, whose weight decay is each check's argument (lesson 01's default 0.01); lesson 06
+# at lr 1e-3
+ADAM_HYPER = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8)
+# the sharded stages against AdamW on one process, on a transformer (lessons 04, 05, 07, 08, 11):
+# eps 1e-6, not 1e-8. Adam divides each gradient element by sqrt(v) + eps, so an element that is
+# ~1e-9 by cancellation (the transformer has a few) turns the rounding of a different summation
+# order into weight differences of ~1e-4 at eps = 1e-8; at 1e-6, ~1e-6.
+SHARDED_HYPER = dict(lr=1e-2, weight_decay=0.1, eps=1e-6)
 
 
 # ---------------------------------------------------------------------------------------
@@ -232,6 +288,14 @@ def adamw_reference(model, steps, hyper, backward, args=(), *, seed=0, optimizer
 # small readers
 
 
+def build_optimizer(cls, params, **hyper):
+    """The student's cls(params, **hyper), which must be a torch.optim.Optimizer (the scaffold's base)."""
+    opt = cls(params, **hyper)
+    if not isinstance(opt, torch.optim.Optimizer):
+        raise AssertionError(f"{type(opt).__name__} is not a torch.optim.Optimizer")
+    return opt
+
+
 def trainable(model):
     """(name, parameter) of every parameter that trains."""
     return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -244,6 +308,16 @@ def psi_of(model):
 
 def snapshot(model):
     return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def launch_size(world_size, group_ranks):
+    """How many ranks to launch for a job of world_size ranks on the global ranks `group_ranks` of
+    a larger world (a subgroup; None: the whole launch is the job)."""
+    if group_ranks is None:
+        return world_size
+    if len(group_ranks) != world_size or sorted(group_ranks) != list(group_ranks):
+        raise ValueError(f"group_ranks must be world_size = {world_size} increasing global ranks, not {group_ranks}")
+    return max(group_ranks) + 1
 
 
 def gather_object(obj):

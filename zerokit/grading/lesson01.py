@@ -31,7 +31,7 @@ from .. import multi_tensor as zerokit_multi_tensor
 from ..models import OddMLP, build_model, model_loss
 from .compare import assert_close
 from .harness import CheckFailed, passed, run_on_ranks
-from .kit import adamw_reference, alias, check_class, global_batch, refusing, snapshot
+from .kit import ADAM_HYPER, adamw_reference, alias, batch_backward, check_class, global_batch, refusing, snapshot
 
 __all__ = ["check_numerics", "check_contract", "check_zero_grad", "check_memory", "check_loss_curve"]
 
@@ -58,7 +58,7 @@ SITUATIONS = {
 BATCH = 12
 SEED = 1  # the model's initialisation, and its data stream (STREAM) as zerokit.reference numbers it
 STREAM = 10_000 * SEED
-HYPER = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+HYPER = dict(ADAM_HYPER, weight_decay=0.01)
 CATEGORIES = ("parameters", "gradients", "optimizer_states")
 
 # zerokit's own answers to the exercises refuse to work inside a check (zerokit.Adam's step
@@ -86,15 +86,10 @@ def _hyper(lr, betas, eps, weight_decay):
     return dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
 
 
-def _backward(model, step, kind):
-    x, y = global_batch(kind, step, BATCH, STREAM)
-    model_loss(kind, model(x), y).backward()
-
-
 def _step(model, opts, kind, step):
     """Forward and backward on the batch of `step`, then step every optimizer and clear the
     gradients with the base class's zero_grad (the student's own is check_zero_grad's business)."""
-    _backward(model, step, kind)
+    batch_backward(model, step, kind, BATCH, STREAM)
     for opt in opts:
         opt.step()
         torch.optim.Optimizer.zero_grad(opt, set_to_none=True)
@@ -249,7 +244,7 @@ def _numerics_case(rank, world_size, cls, kind, steps, hyper, reference):
         for step in range(steps):
             before = snapshot(model)
             state_before = _own_state(opt, model)
-            _backward(model, step, kind)
+            batch_backward(model, step, kind, BATCH, STREAM)
             grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
             opt.step()
             torch.optim.Optimizer.zero_grad(opt, set_to_none=True)  # the student's own is check_zero_grad's
@@ -292,8 +287,9 @@ def check_numerics(cls, model="mlp", steps=100, lr=1e-2, betas=(0.9, 0.999), eps
     _check_class(cls)
     hyper = _hyper(lr, betas, eps, weight_decay)
     # and torch.optim.Adam's L2 decay for two steps, to recognise that mistake
-    reference = {"adamw": adamw_reference(model, steps, hyper, _backward, (model,), seed=SEED, timeout=timeout),
-                 "l2": adamw_reference(model, 2, hyper, _backward, (model,), seed=SEED, optimizer="adam",
+    data = (model, BATCH, STREAM)
+    reference = {"adamw": adamw_reference(model, steps, hyper, batch_backward, data, seed=SEED, timeout=timeout),
+                 "l2": adamw_reference(model, 2, hyper, batch_backward, data, seed=SEED, optimizer="adam",
                                        timeout=timeout)}
     psi = run_on_ranks(_numerics_case, 1, args=(cls, model, steps, hyper, reference), timeout=timeout,
                        what=cls.__name__)[0]
@@ -609,7 +605,7 @@ def check_memory(fn, models=("mlp",), timeout=60.0):
 # ---------------------------------------------------------------------------------------
 # the optional exercise: a loss curve (no points: checked when attempted, and never raises)
 
-CURVE_HYPER = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+CURVE_HYPER = HYPER  # the loss curve trains at the numerics' set
 
 
 def _reference_curves(steps, make):

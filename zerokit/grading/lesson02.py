@@ -36,7 +36,8 @@ from ..comm import CommCounter
 from ..models import build_model
 from .compare import assert_close, max_abs_diff
 from .harness import CheckFailed, passed, run_on_ranks
-from .kit import adamw_reference, alias, batch_backward, check_class, psi_of, refusing, trainable
+from .kit import (ADAM_HYPER, adamw_reference, alias, batch_backward, build_optimizer, check_class, psi_of, refusing,
+                  trainable)
 
 __all__ = ["check_average_gradients", "check_numerics", "check_traffic"]
 
@@ -64,7 +65,7 @@ SITUATIONS = {
 
 GLOBAL_BATCH = 12  # divisible by 2, 3 and 4: every rank gets its own, equal slice
 STREAM = 202  # this lesson's data
-HYPER = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8)
+HYPER = ADAM_HYPER
 SMALL = 64  # elements of bookkeeping (counts, flags) a step may communicate besides the gradient
 
 _WRITE_IT = "the exercise is to write them yourself"
@@ -72,11 +73,6 @@ _WRITE_IT = "the exercise is to write them yourself"
 NO_ZEROKIT_DDP = [(zerokit_ddp.DistributedAdam, "__init__", f"your code used zerokit's DistributedAdam: {_WRITE_IT}"),
                   (zerokit_ddp, "average_gradients", f"your code used zerokit's average_gradients: {_WRITE_IT}"),
                   (zerokit_ddp, "broadcast_parameters", f"your code used zerokit's broadcast_parameters: {_WRITE_IT}")]
-
-
-def _backward(model, step, name, rank=None, world_size=None):
-    """The gradient of the global batch of `step` (one process), or of this rank's slice of it."""
-    batch_backward(model, name, step, GLOBAL_BATCH, STREAM, rank, world_size)
 
 
 def _used_numel(model):
@@ -127,10 +123,10 @@ def _average_case(rank, world_size, fn, name):
     with refusing(*NO_ZEROKIT_DDP):
         model = build_model(name)
         params = list(model.parameters())
-        _backward(model, 0, name)  # the whole batch on one process: the gradient to expect
+        batch_backward(model, 0, name, GLOBAL_BATCH, STREAM)  # the whole batch on one process: the gradient
         expected = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
         model.zero_grad(set_to_none=True)
-        _backward(model, 0, name, rank, world_size)  # this rank's micro-batch
+        batch_backward(model, 0, name, GLOBAL_BATCH, STREAM, rank, world_size)  # this rank's micro-batch
         local = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
         psi, with_grad = psi_of(model), _used_numel(model)
         with CommCounter() as comm:
@@ -229,13 +225,6 @@ def _use_reference_average(cls):
                 glob["average_gradients"] = _REFERENCE_AVERAGE
 
 
-def _make(cls, model, weight_decay):
-    opt = cls(model.parameters(), weight_decay=weight_decay, **HYPER)
-    if not isinstance(opt, torch.optim.Optimizer):
-        raise AssertionError(f"{type(opt).__name__} is not a torch.optim.Optimizer")
-    return opt
-
-
 def _flat(tensors):
     return torch.cat([t.detach().reshape(-1) for t in tensors]).clone()
 
@@ -298,7 +287,7 @@ def _numerics_case(rank, world_size, cls, name, steps, weight_decay, reference):
         # replicas start equal only if the optimizer makes them so
         model = build_model(name, seed=0 if rank == 0 else 1000 + rank)
         names = [n for n, _ in model.named_parameters()]
-        opt = _make(cls, model, weight_decay)
+        opt = build_optimizer(cls, model.parameters(), weight_decay=weight_decay, **HYPER)
         differs = _replicas_differ(model)
         if differs:
             r, diff, names = differs
@@ -316,7 +305,7 @@ def _numerics_case(rank, world_size, cls, name, steps, weight_decay, reference):
                 "model with its own random initialisation, so the optimizer must copy rank 0's parameters to every "
                 "rank (dist.broadcast(p.data, src=0)) in __init__")
         for step in range(steps):
-            _backward(model, step, name, rank, world_size)
+            batch_backward(model, step, name, GLOBAL_BATCH, STREAM, rank, world_size)
             opt.step()
             after = f"after step {step + 1}"
             differs = _first_replica_difference(_flat(model.parameters()))
@@ -361,8 +350,8 @@ def check_numerics(cls, world_size=2, model="small-mlp", steps=4, weight_decay=0
     weights, stay bitwise equal, and match torch.optim.AdamW on the whole batch after every step."""
     __tracebackhide__ = True
     _check_class(cls)
-    reference = adamw_reference(model, steps, {**HYPER, "weight_decay": weight_decay}, _backward, (model,),
-                                timeout=timeout)
+    reference = adamw_reference(model, steps, {**HYPER, "weight_decay": weight_decay}, batch_backward,
+                                (model, GLOBAL_BATCH, STREAM), timeout=timeout)
     psi = run_on_ranks(_numerics_case, world_size, args=(cls, model, steps, weight_decay, reference),
                        timeout=timeout, what=cls.__name__)[0]
     passed(f"{cls.__name__} on {world_size} ranks ({model}, Ψ = {psi}, weight decay {weight_decay:g}): replicas "
@@ -378,10 +367,10 @@ def _comm_case(rank, world_size, cls, name, steps, weight_decay):
         _use_reference_average(cls)
         model = build_model(name)
         initial = _flat(model.parameters())
-        opt = _make(cls, model, weight_decay)
+        opt = build_optimizer(cls, model.parameters(), weight_decay=weight_decay, **HYPER)
         per_step = []
         for step in range(steps):
-            _backward(model, step, name, rank, world_size)
+            batch_backward(model, step, name, GLOBAL_BATCH, STREAM, rank, world_size)
             psi, with_grad = psi_of(model), _used_numel(model)
             with CommCounter() as comm:
                 opt.step()

@@ -40,12 +40,12 @@ from .. import zero1 as zerokit_zero1
 from ..comm import CommCounter, reduce_scatter
 from ..flat import padded_numel
 from ..flat import shard_range as reference_shard_range
-from ..models import build_model, model_loss
+from ..models import build_model
 from .compare import assert_close
 from .harness import CheckFailed, passed, run_on_ranks
 from .kit import try_stretch as run_stretch
-from .kit import (adamw_reference, alias, assert_changed, batch_backward, check_class, gather_object,
-                  optimizer_held_bytes, psi_of, rank_batch, refusing, trainable)
+from .kit import (ADAM_HYPER, adamw_reference, alias, assert_changed, batch_backward, build_optimizer, check_class,
+                  gather_object, optimizer_held_bytes, psi_of, ranks_backward, refusing, trainable)
 
 __all__ = ["check_shard_range", "check_numerics", "check_memory", "check_traffic", "check_unused_parameters"]
 
@@ -71,7 +71,7 @@ SITUATIONS = {
 
 GLOBAL_BATCH = 12  # divisible by 2, 3 and 4: every rank gets its own, equal slice
 STREAM = 303  # this lesson's data
-HYPER = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8)
+HYPER = ADAM_HYPER
 STATE_RTOL = 1e-4
 SCALARS_ALLOWANCE = 1024  # bytes of small bookkeeping tensors an optimizer may keep
 
@@ -167,20 +167,8 @@ def _check_class(cls):
                          "torch.optim.Optimizer, as the scaffold does)")])
 
 
-def _make(cls, model, weight_decay):
-    opt = cls(model.parameters(), weight_decay=weight_decay, **HYPER)
-    if not isinstance(opt, torch.optim.Optimizer):
-        raise AssertionError(f"{type(opt).__name__} is not a torch.optim.Optimizer")
-    return opt
-
-
-def _backward(model, step, name, rank=None, world_size=None):
-    """The gradient of the global batch of `step` (one process), or of this rank's slice of it."""
-    batch_backward(model, name, step, GLOBAL_BATCH, STREAM, rank, world_size)
-
-
 def _train_step(name, model, opt, step, rank, world_size):
-    _backward(model, step, name, rank, world_size)
+    batch_backward(model, step, name, GLOBAL_BATCH, STREAM, rank, world_size)
     opt.step()
     opt.zero_grad()
 
@@ -224,7 +212,7 @@ def _numerics_case(rank, world_size, cls, name, steps, weight_decay, reference):
         start, end = reference_shard_range(psi, world_size, rank)
         pad = padded_numel(psi, world_size) - psi
         trainable = [n for n, p in model.named_parameters() if p.requires_grad]
-        opt = _make(cls, model, weight_decay)
+        opt = build_optimizer(cls, model.parameters(), weight_decay=weight_decay, **HYPER)
 
         def flat_weights():
             named = dict(model.named_parameters())
@@ -325,8 +313,8 @@ def check_numerics(cls, world_size=2, model="small-mlp", steps=4, weight_decay=0
     whole batch in one process: every parameter after every step, and this rank's shard of m and v."""
     __tracebackhide__ = True
     _check_class(cls)
-    reference = adamw_reference(model, steps, {**HYPER, "weight_decay": weight_decay}, _backward, (model,),
-                                timeout=timeout)
+    reference = adamw_reference(model, steps, {**HYPER, "weight_decay": weight_decay}, batch_backward,
+                                (model, GLOBAL_BATCH, STREAM), timeout=timeout)
     psi = run_on_ranks(_numerics_case, world_size, args=(cls, model, steps, weight_decay, reference),
                        timeout=timeout, what=cls.__name__)[0]
     passed(f"{cls.__name__} matches torch.optim.AdamW on {world_size} ranks ({model}, Ψ = {psi}, weight decay "
@@ -377,13 +365,13 @@ def _memory_case(rank, world_size, cls, name, steps, weight_decay):
             model = build_model(name)
             psi = psi_of(model)
             # one forward and backward first: whatever torch creates lazily exists before we count
-            _backward(model, 0, name, rank, world_size)
+            batch_backward(model, 0, name, GLOBAL_BATCH, STREAM, rank, world_size)
             for p in model.parameters():
                 p.grad = None
             initial = [p.detach().clone() for p in model.parameters()]
 
             def run_steps(model):
-                opt = _make(cls, model, weight_decay)
+                opt = build_optimizer(cls, model.parameters(), weight_decay=weight_decay, **HYPER)
                 built.append(opt)
                 for step in range(steps):
                     _train_step(name, model, opt, step, rank, world_size)
@@ -455,10 +443,10 @@ def _comm_case(rank, world_size, cls, name, steps, weight_decay):
         model = build_model(name)
         psi = psi_of(model)
         initial = [p.detach().clone() for p in model.parameters()]
-        opt = _make(cls, model, weight_decay)
+        opt = build_optimizer(cls, model.parameters(), weight_decay=weight_decay, **HYPER)
         per_step = []
         for step in range(steps):
-            _backward(model, step, name, rank, world_size)
+            batch_backward(model, step, name, GLOBAL_BATCH, STREAM, rank, world_size)
             with CommCounter() as comm:
                 opt.step()
             opt.zero_grad()
@@ -510,24 +498,6 @@ def check_traffic(cls, world_size=2, model="small-mlp", steps=2, weight_decay=0.
 
 # ---------------------------------------------------------------------------------------
 # parameters without a gradient: AdamW leaves them alone
-
-
-def _branch_used(step, rank):
-    """Whether `rank` runs BranchNet's branch in `step`: every rank, none, every rank, even ranks only."""
-    return (True, False, True, rank % 2 == 0)[step % 4]
-
-
-def _unused_backward(net, step, name, world_size, rank=None):
-    """The gradient of `step` on this rank's slice (rank None: the mean over every rank's slice in
-    one process, as the reference sees it). On "branch" each rank runs the branch or not, as
-    _branch_used says; "edge" never uses its `unused` layer."""
-    if name != "branch":
-        batch_backward(net, name, step, GLOBAL_BATCH, STREAM, rank, world_size)
-        return
-    for r in range(world_size) if rank is None else (rank,):
-        x, y = rank_batch(name, step, GLOBAL_BATCH, r, world_size, STREAM)
-        loss = model_loss(name, net(x, use_branch=_branch_used(step, r)), y)
-        (loss / world_size if rank is None else loss).backward()
 
 
 def _stuck(before, after, expected):
@@ -590,11 +560,11 @@ def _unused_case(rank, world_size, cls, name, steps, weight_decay, reference):
             if lo < hi:
                 where[n] = (lo - start, hi - start)
             offset += p.numel()
-        opt = _make(cls, model, weight_decay)
+        opt = build_optimizer(cls, model.parameters(), weight_decay=weight_decay, **HYPER)
         history = []  # per step: {parameter name: the ranks that had a gradient for it}
         for step in range(steps):
             before = {n: p.detach().clone() for n, p in model.named_parameters()}
-            _unused_backward(model, step, name, world_size, rank)
+            ranks_backward(model, step, name, GLOBAL_BATCH, STREAM, world_size, rank)
             mine = {n: p.grad is not None for n, p in named}
             everyone = gather_object(mine)
             history.append({n: [r for r in range(world_size) if everyone[r][n]] for n, _ in named})
@@ -649,7 +619,8 @@ def check_unused_parameters(cls, world_size=2, models=("edge", "branch", "sparse
     __tracebackhide__ = True
     _check_class(cls)
     hyper = {**HYPER, "weight_decay": weight_decay}
-    references = [adamw_reference(name, steps, hyper, _unused_backward, (name, world_size), timeout=timeout)
+    references = [adamw_reference(name, steps, hyper, ranks_backward, (name, GLOBAL_BATCH, STREAM, world_size),
+                                  timeout=timeout)
                   for name in models]
     # one launch for every model: the ranks start once
     run_on_ranks(_unused_cases, world_size, args=(cls, list(models), steps, weight_decay, references),
@@ -679,7 +650,7 @@ def _groups_reference_case(_rank, _world_size, name, steps):
     opt = torch.optim.AdamW(_grouped(net), foreach=False, **HYPER)
     out = []
     for step in range(steps):
-        _backward(net, step, name)
+        batch_backward(net, step, name, GLOBAL_BATCH, STREAM)
         opt.step()
         opt.zero_grad(set_to_none=True)
         out.append({n: p.detach().clone() for n, p in net.named_parameters()})
@@ -689,9 +660,7 @@ def _groups_reference_case(_rank, _world_size, name, steps):
 def _groups_case(rank, world_size, cls, name, steps, reference):
     with refusing(*NO_ZEROKIT_STAGE):
         model = build_model(name)
-        opt = cls(_grouped(model), **HYPER)
-        if not isinstance(opt, torch.optim.Optimizer):
-            raise AssertionError(f"{type(opt).__name__} is not a torch.optim.Optimizer")
+        opt = build_optimizer(cls, _grouped(model), **HYPER)
         group_of = {n: 0 if n.startswith(GROUPS[0]["prefixes"]) else 1 for n, _ in model.named_parameters()}
         for step in range(steps):
             _train_step(name, model, opt, step, rank, world_size)

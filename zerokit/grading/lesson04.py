@@ -50,16 +50,13 @@ from ..zero2 import ZeRO2Adam
 from .compare import assert_close
 from .harness import CheckFailed, passed, run_on_ranks
 from .kit import try_stretch as run_stretch
-from .kit import (LazyWork, adamw_reference, alias, assert_adam_shards, bucket_label, check_class, gather_object,
-                  global_batch, refusing, renamed_args, state_shard)
+from .kit import (SHARDED_HYPER, LazyWork, adamw_reference, alias, assert_adam_shards, bucket_label, check_class,
+                  gather_object, global_batch, refusing, renamed_args, state_shard)
 
 __all__ = ["check_numerics", "check_memory", "check_traffic", "check_unused_parameters", "check_accumulation",
            "check_clipping", "try_stretch"]
 
-# eps 1e-6, not AdamW's default 1e-8: Adam divides each gradient element by sqrt(v) + eps, so
-# an element that is ~1e-9 by cancellation (the transformer has a few) turns the rounding of a
-# different summation order into weight differences of ~1e-4 at eps = 1e-8; at 1e-6, ~1e-6.
-HYPER = dict(lr=1e-2, weight_decay=0.1, eps=1e-6)
+HYPER = SHARDED_HYPER  # eps 1e-6, not AdamW's default 1e-8: kit says why
 PER_MICRO = 3  # samples per rank per micro-batch
 EXERCISE = ("_on_grad_ready", "send", "_end_of_backward")
 

@@ -74,15 +74,13 @@ from ..zero2 import ZeRO2Adam
 from ..zero3 import ZeRO3Adam, bucket_plan, install_unit_hooks, unit_list
 from .compare import assert_close
 from .harness import passed, run_on_ranks
-from .kit import (adamw_reference, alias, assert_adam_shards, bucket_label, check_class, global_batch, lazy_transfers,
-                  renamed_args)
+from .kit import (SHARDED_HYPER, adamw_reference, alias, assert_adam_shards, batch_backward, bucket_label, check_class,
+                  lazy_transfers, rank_batch, renamed_args)
 
 __all__ = ["check_gather_free", "check_numerics", "check_memory", "check_traffic", "units_of",
            "with_reference_mechanics", "live_parameter_bytes"]
 
-# eps 1e-6, not 1e-8 (as in lesson 04): an element of the mean gradient that is ~1e-9 by
-# cancellation turns rounding differences of a different summation order into large Adam steps.
-HYPER = dict(lr=1e-2, weight_decay=0.1, eps=1e-6)
+HYPER = SHARDED_HYPER  # eps 1e-6, not AdamW's default 1e-8: kit says why
 PER_RANK = 3  # samples per rank per step
 MECHANICS = ("start_gather", "finish_gather", "free")
 HOOKS = ("gather_unit", "pre_forward", "post_forward", "pre_backward", "send")
@@ -126,20 +124,6 @@ def units_of(model, units):
     if units == "children":
         return list(model.children())
     raise ValueError(f"units must be None, 'blocks' or 'children', not {units!r}")
-
-
-def _my_slice(model_name, step, world_size, rank):
-    x, y = global_batch(model_name, step, world_size * PER_RANK)
-    return x[rank * PER_RANK:(rank + 1) * PER_RANK], y[rank * PER_RANK:(rank + 1) * PER_RANK]
-
-
-def _whole_batch(net, step, model_name, world_size):
-    x, y = global_batch(model_name, step, world_size * PER_RANK)
-    model_loss(model_name, net(x), y).backward()
-
-
-def _reference(model_name, world_size, steps, timeout):
-    return adamw_reference(model_name, steps, HYPER, _whole_batch, (model_name, world_size), timeout=timeout)
 
 
 # ---------------------------------------------------------------------------------------
@@ -579,7 +563,7 @@ def _skipped_unit_case(rank, world_size, cls):
     handles = [m.register_forward_pre_hook(note) for m in model.modules()]
     handles += [m.register_forward_hook(note) for m in model.modules()]
     for step, use_branch in enumerate((True, False, True)):
-        x, y = _my_slice(SKIPPING, step, world_size, rank)
+        x, y = rank_batch(SKIPPING, step, world_size * PER_RANK, rank, world_size)
         # zerokit's hooks: an error here comes from the mechanics, reported as raised (no advice about hooks)
         model_loss(SKIPPING, model(x, use_branch=use_branch), y).backward()
         opt.step()
@@ -604,7 +588,7 @@ def _numerics_case(rank, world_size, cls, model_name, units, ref):
     watch = _EntryWatch(model, opt, unit_of_bucket)
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     for step, want in enumerate(ref):
-        x, y = _my_slice(model_name, step, world_size, rank)
+        x, y = rank_batch(model_name, step, world_size * PER_RANK, rank, world_size)
         _backward(_forward(model_name, model, x, y, step), step, watch)
         for bi, b in enumerate(opt.buckets):
             expected = b.shard_of([want["grads"].get(name_of[p]) for p in b.params])
@@ -714,7 +698,7 @@ def _memory_case(rank, world_size, cls, model_name, units, steps):
 
     opt.send, opt.start_gather = sending, starting  # the hooks and zerokit's mechanics call them through self
     for step in range(steps):
-        x, y = _my_slice(model_name, step, world_size, rank)
+        x, y = rank_batch(model_name, step, world_size * PER_RANK, rank, world_size)
         phase[0] = "forward"
         loss = _forward(model_name, model, x, y, step)
         arrived.clear()
@@ -731,7 +715,7 @@ def _memory_case(rank, world_size, cls, model_name, units, steps):
             raise AssertionError(f"after step {step + 1}, {kept[0][0]} holds {kept[0][1]} elements: between steps "
                                  "every parameter must be empty, only this rank's shard kept")
     # an evaluation: a forward under torch.no_grad(), which no backward follows
-    x, _ = _my_slice(model_name, steps, world_size, rank)
+    x, _ = rank_batch(model_name, steps, world_size * PER_RANK, rank, world_size)
     phase[0] = "forward"
     with torch.no_grad():
         model(x)
@@ -856,7 +840,7 @@ def _comm_case(rank, world_size, cls, model_name, units, steps):
                         unit.register_forward_hook(lambda m, a, o, bi=bi: post(m, a, o, bi), prepend=True)]
         rows = []
         for step in range(steps):
-            x, y = _my_slice(model_name, step, world_size, rank)
+            x, y = rank_batch(model_name, step, world_size * PER_RANK, rank, world_size)
             events.clear()
             for calls in (*issued.values(), regathered, waits, unit_order):
                 calls.clear()
@@ -1039,7 +1023,7 @@ def check_numerics(cls, world_size=2, model="mlp", units=None, steps=4, timeout=
     """Every step, each rank on its own data: the gradient shards, the weights (gathered) and
     Adam's m and v shards equal one process running torch.optim.AdamW on the whole batch."""
     __tracebackhide__ = True
-    ref = _reference(model, world_size, steps, timeout)
+    ref = adamw_reference(model, steps, HYPER, batch_backward, (model, world_size * PER_RANK), timeout=timeout)
     _hooks_run(_numerics_case, cls, world_size, (model, units, ref), f"{cls.__name__} on {model}", timeout)
     how = "" if units is None else f", units={units}"
     passed(f"{cls.__name__} matches torch.optim.AdamW on {world_size} ranks ({model}{how}): gradient shards, weights "

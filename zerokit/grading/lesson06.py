@@ -58,7 +58,7 @@ from ..mixed_precision import LossScaler, as_dtype
 from ..models import build_model, model_loss
 from .compare import assert_close
 from .harness import CheckFailed, passed, run_on_ranks, torch_adam_allowed
-from .kit import alias, check_class, gather_object, rank_batch
+from .kit import ADAM_HYPER, alias, check_class, gather_object, rank_batch
 
 __all__ = ["ReferenceScaler", "check_unscale", "check_overflow_agreed", "check_scale_schedule",
            "check_numerics", "check_overflow_step"]
@@ -88,7 +88,7 @@ SITUATIONS = {
 GLOBAL_BATCH = 12  # divisible by 2, 3 and 4
 # lr 1e-3: an update is a fraction of a unit in the last place of a bf16 weight (2**-9 in
 # [0.25, 0.5)), so applied to 16-bit weights it is lost or rounded to a whole unit
-HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+HYPER = dict(ADAM_HYPER, lr=1e-3, weight_decay=0.01)
 
 
 # ---------------------------------------------------------------------------------------

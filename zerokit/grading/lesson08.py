@@ -63,7 +63,8 @@ from ..zero1 import ShardedAdamState
 from ..zero3 import ZeRO3Adam
 from .compare import assert_close
 from .harness import CheckFailed, passed, run_on_ranks, torch_adam_allowed
-from .kit import adamw_reference, assert_adam_shards, bucket_label, check_class, global_batch, refusing
+from .kit import (SHARDED_HYPER, adamw_reference, assert_adam_shards, batch_backward, bucket_label, check_class,
+                  rank_batch, refusing)
 
 __all__ = ["check_saved_bytes", "check_saved_views", "check_recompute", "check_recompute_memory",
            "check_recompute_traffic", "check_offload_numerics", "check_offload_memory", "reference_saved_bytes"]
@@ -271,7 +272,7 @@ MODEL = "transformer"
 # and head that its root unit owns (gathered from the start of forward to the end of backward)
 CHECKPOINTED = {"transformer": lambda net: {f"blocks.{i}": b for i, b in enumerate(net.blocks)},
                 "awkward": lambda net: {"attn": net.attn, "mix": net.mix}}
-HYPER = dict(lr=1e-2, weight_decay=0.1, eps=1e-6)  # eps 1e-6: see zerokit.grading.lesson05
+HYPER = SHARDED_HYPER  # eps 1e-6: kit says why
 PER_RANK = 2
 STEPS = 3
 PRE, POST = ("pre_forward", "_pre_recompute"), ("post_forward", "_post_recompute")
@@ -279,11 +280,6 @@ _ZEROKIT = {name: ZeRO3Adam.__dict__[name] for name in PRE + POST}  # taken befo
 _REFUSE_RECOMPUTE = [
     (ZeRO3Adam, name, f"your hooks called zerokit.ZeRO3Adam.{name}, zerokit's own handling of a recomputation: "
      "write what your hook does inside backward yourself") for name in ("_pre_recompute", "_post_recompute")]
-
-
-def _whole_batch(net, step, model_name, world_size):
-    x, y = global_batch(model_name, step, world_size * PER_RANK)
-    model_loss(model_name, net(x), y).backward()
 
 
 def _graded(cls, graded):
@@ -326,13 +322,8 @@ def _is_shape_error(exc):
         "must be 2-D", "shape", "size", "storage of size 0", "mat1", "normalized_shape", "out of bounds"))
 
 
-def _rank_batch(model_name, step, rank, world_size):
-    x, y = global_batch(model_name, step, world_size * PER_RANK)
-    return x[rank * PER_RANK:(rank + 1) * PER_RANK], y[rank * PER_RANK:(rank + 1) * PER_RANK]
-
-
 def _train_step(model, opt, step, rank, world_size, model_name):
-    x, y = _rank_batch(model_name, step, rank, world_size)
+    x, y = rank_batch(model_name, step, world_size * PER_RANK, rank, world_size)
     try:
         loss = model_loss(model_name, model(x), y)
     except RuntimeError as exc:
@@ -435,7 +426,7 @@ def _memory_case(rank, world_size, cls, model_name):
                                      "be empty, only this rank's shard kept")
         model.eval()  # an evaluation: no backward comes, so nothing may stay gathered, the root included
         with torch.no_grad():
-            model(_rank_batch(model_name, 2, rank, world_size)[0])
+            model(rank_batch(model_name, 2, world_size * PER_RANK, rank, world_size)[0])
         model.train()
         kept = [n for n, p in model.named_parameters() if p.requires_grad and p.numel()]
         if problems or kept:
@@ -499,7 +490,7 @@ def check_recompute(cls, world_size=2, model=MODEL, timeout=60.0):
     process (the recomputation ran on full parameters), and no unit is gathered twice in backward."""
     __tracebackhide__ = True
     _validate_hooks(cls)
-    ref = adamw_reference(model, STEPS, HYPER, _whole_batch, (model, world_size), timeout=timeout)
+    ref = adamw_reference(model, STEPS, HYPER, batch_backward, (model, world_size * PER_RANK), timeout=timeout)
     n = run_on_ranks(_numerics_case, world_size, args=(cls, ref, model), what=f"{cls.__name__} on {model}",
                      timeout=timeout)[0]
     passed(f"{cls.__name__} with checkpointed blocks matches torch.optim.AdamW on {world_size} ranks ({model}, "

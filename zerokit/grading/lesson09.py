@@ -52,11 +52,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .. import muon as zerokit_muon
 from ..comm import CommCounter
 from ..flat import FlatBucket
-from ..models import build_model, model_loss
+from ..models import build_model
 from ..zero1 import ZeRO1Adam
 from .compare import assert_close
 from .harness import CheckFailed, passed, run_on_ranks
-from .kit import (assert_changed, check_class, gather_object, global_batch, optimizer_held_bytes, rank_batch,
+from .kit import (assert_changed, build_optimizer, check_class, gather_object, optimizer_held_bytes, ranks_backward,
                   refusing, snapshot)
 
 __all__ = ["check_numerics", "check_state", "check_traffic", "check_balance"]
@@ -109,50 +109,11 @@ def _check_class(cls):
                          "(subclass torch.optim.Optimizer, as the scaffold does)")])
 
 
-def _make(cls, params):
-    opt = cls(params, **MUON)
-    if not isinstance(opt, torch.optim.Optimizer):
-        raise AssertionError(f"{type(opt).__name__} is not a torch.optim.Optimizer")
-    return opt
-
-
 def _matrices(model):
     """(name, parameter) of every 2-D parameter, frozen ones too (torch.optim.Muon takes them and skips
     what has no gradient), and the other parameters."""
     named = list(model.named_parameters())
     return [(n, p) for n, p in named if p.dim() == 2], [p for _, p in named if p.dim() != 2]
-
-
-def _branch_used(step, rank):
-    """Whether `rank` runs BranchNet's branch in `step`: every rank, none, every rank, even ranks only."""
-    return (True, False, True, rank % 2 == 0)[step % 4]
-
-
-def _forward_loss(net, name, x, y, step, rank):
-    out = net(x, use_branch=_branch_used(step, rank)) if name == "branch" else net(x)
-    return model_loss(name, out, y)
-
-
-def _backward(net, name, step, world_size, rank=None, accumulation=1, same_data=False):
-    """The gradient of `step`. rank None: one process, the whole global batch (on "branch" the mean of
-    every rank's loss, each rank running the branch or not). Else this rank's slice (the whole batch
-    with same_data), in `accumulation` micro-batches, each loss divided by their number."""
-    if rank is None:
-        if name != "branch":
-            x, y = global_batch(name, step, GLOBAL_BATCH, STREAM)
-            _forward_loss(net, name, x, y, step, 0).backward()
-            return
-        for r in range(world_size):
-            x, y = rank_batch(name, step, GLOBAL_BATCH, r, world_size, STREAM)
-            (_forward_loss(net, name, x, y, step, r) / world_size).backward()
-        return
-    if same_data:
-        x, y = global_batch(name, step, GLOBAL_BATCH, STREAM)
-    else:
-        x, y = rank_batch(name, step, GLOBAL_BATCH, rank, world_size, STREAM)
-    for xs, ys in zip(x.chunk(accumulation), y.chunk(accumulation)):
-        loss = _forward_loss(net, name, xs, ys, step, rank)
-        (loss / accumulation if accumulation > 1 else loss).backward()
 
 
 def _momentum(opt, p):
@@ -332,7 +293,7 @@ def _reference_case(_rank, _one, names, steps, world_size):
         adam = torch.optim.AdamW([p for p in rest if p.requires_grad], foreach=False, **ADAMW)
         records = []
         for step in range(steps):
-            _backward(net, name, step, world_size)
+            ranks_backward(net, step, name, GLOBAL_BATCH, STREAM, world_size)
             for opt in (muon, adam):
                 opt.step()
                 opt.zero_grad(set_to_none=True)
@@ -446,7 +407,7 @@ def _numerics_one(rank, world_size, cls, name, steps, same_data, accumulation, r
     bitwise = same_data and accumulation == 1
     model = build_model(name)
     named, rest = _matrices(model)
-    opt = _make(cls, [p for _, p in named])
+    opt = build_optimizer(cls, [p for _, p in named], **MUON)
     trainable_rest = [p for p in rest if p.requires_grad]
     adam = ZeRO1Adam(trainable_rest, **ADAMW) if trainable_rest else None
     # the yardstick of each step: torch.optim.Muon from the student's weights and the check's mean gradient
@@ -461,7 +422,7 @@ def _numerics_one(rank, world_size, cls, name, steps, same_data, accumulation, r
     group = dist.new_group(list(range(world_size)))  # the check's own: step()'s collectives announced on it
     for step in range(steps):
         before = {n: p.detach().clone() for n, p in named}
-        _backward(model, name, step, world_size, rank, accumulation, same_data)
+        ranks_backward(model, step, name, GLOBAL_BATCH, STREAM, world_size, rank, accumulation, same_data)
         moved = [n for n, p in named if not torch.equal(p.detach(), before[n])]
         if moved:
             raise AssertionError(
@@ -595,15 +556,16 @@ def _state_case(rank, world_size, cls, name, steps):
         with refusing(*NO_ZEROKIT_MUON), refusing(*NO_ZEROKIT_OWNERS, everywhere=True):
             model = build_model(name)
             named, _ = _matrices(model)
-            _backward(model, name, 0, world_size, rank)  # whatever torch creates lazily exists before we count
+            # whatever torch creates lazily exists before we count
+            ranks_backward(model, 0, name, GLOBAL_BATCH, STREAM, world_size, rank)
             model.zero_grad(set_to_none=True)
             initial = [p.detach().clone() for p in model.parameters()]
 
             def run_steps(model):
-                opt = _make(cls, [p for _, p in named])
+                opt = build_optimizer(cls, [p for _, p in named], **MUON)
                 built.append(opt)
                 for step in range(steps):
-                    _backward(model, name, step, world_size, rank)
+                    ranks_backward(model, step, name, GLOBAL_BATCH, STREAM, world_size, rank)
                     opt.step()
                     model.zero_grad(set_to_none=True)
                 return opt
@@ -665,11 +627,11 @@ def _traffic_case(rank, world_size, cls, name, steps):
         model = build_model(name)
         named, _ = _matrices(model)
         initial = [p.detach().clone() for _, p in named]
-        opt = _make(cls, [p for _, p in named])
+        opt = build_optimizer(cls, [p for _, p in named], **MUON)
         per_step = []
         for step in range(steps):
             with CommCounter() as comm:  # backward too: a step may send what hooks prepared during it
-                _backward(model, name, step, world_size, rank)
+                ranks_backward(model, step, name, GLOBAL_BATCH, STREAM, world_size, rank)
                 opt.step()
             model.zero_grad(set_to_none=True)
             per_step.append([(c.op, c.numel, c.volume) for c in comm.calls])
@@ -751,7 +713,7 @@ def _balance_case(rank, world_size, cls, shapes):
         gen = torch.Generator().manual_seed(0)
         params = [torch.nn.Parameter(torch.randn(*s, generator=gen)) for s in shapes]
         before = [p.detach().clone() for p in params]
-        opt = _make(cls, params)
+        opt = build_optimizer(cls, params, **MUON)
         gen = torch.Generator().manual_seed(1 + rank)  # each rank its own gradient, through backward (hooks run)
         grads = [torch.randn(p.shape, generator=gen) for p in params]
 

@@ -47,7 +47,6 @@ cost check_quantize alone.
 import gc
 import inspect
 import math
-import types
 
 import torch
 import torch.distributed as dist
@@ -61,7 +60,8 @@ from ..reference import rank_slice
 from ..zero3 import ZeRO3Adam
 from .compare import assert_close
 from .harness import CheckFailed, passed, run_on_ranks
-from .kit import adamw_reference, census_after_gloo_lets_go, check_class, global_batch, refusing
+from .kit import (SHARDED_HYPER, adamw_reference, batch_backward, census_after_gloo_lets_go, check_class, intact,
+                  launch_size, rank_batch, refusing)
 
 __all__ = ["check_hpz_numerics", "check_hpz_traffic", "check_hpz_memory", "check_quantize", "check_qwz_gather",
            "check_qwz_training"]
@@ -85,7 +85,7 @@ SITUATIONS = {
     "out-of-order": "n/a: the gradients' buckets are zerokit.ZeRO3Adam's reduce-scatters, not the student's code",
 }
 
-HYPER = dict(lr=1e-2, weight_decay=0.1, eps=1e-6)
+HYPER = SHARDED_HYPER  # eps 1e-6: kit says why
 PER_RANK = 2  # samples per rank per step
 STREAM = 1111  # this lesson's data
 QMAX = zeropp.QMAX
@@ -107,14 +107,6 @@ def _job_group(group_ranks):
         return None, None
     group = dist.new_group(list(group_ranks), use_local_synchronization=True)
     return list(group_ranks).index(dist.get_rank()), group
-
-
-def _launch_size(world_size, group_ranks):
-    if group_ranks is None:
-        return world_size
-    if len(group_ranks) != world_size or sorted(group_ranks) != list(group_ranks):
-        raise ValueError(f"group_ranks must be world_size = {world_size} increasing global ranks, not {group_ranks}")
-    return max(group_ranks) + 1
 
 
 def _layout(world_size, node_size, group_ranks):
@@ -333,16 +325,6 @@ def _build(cls, model_name, units, group, node_size=None):
     return model, opt
 
 
-def _batch(model_name, step, world_size, place):
-    x, y = global_batch(model_name, step, world_size * PER_RANK, STREAM)
-    return rank_slice(x, place, world_size), rank_slice(y, place, world_size)
-
-
-def _whole_batch(net, step, model_name, world_size):
-    x, y = global_batch(model_name, step, world_size * PER_RANK, STREAM)
-    model_loss(model_name, net(x), y).backward()
-
-
 def _check_secondaries(opt, node_size, group, step, name_of):
     """Right after forward: each unit's secondary shard is this rank's 1/k of the gathered unit.
     Returns how many were kept (and checked)."""
@@ -393,7 +375,7 @@ def _hpz_run(cls, model_name, units, group, node_size, steps, place, world_size,
     name_of = {p: n for n, p in model.named_parameters()}
     record, kept = [], 0
     for step in range(steps):
-        x, y = _batch(model_name, step, world_size, place)
+        x, y = rank_batch(model_name, step, world_size * PER_RANK, place, world_size, STREAM)
         loss = model_loss(model_name, model(x), y)
         if check:
             kept += _check_secondaries(opt, node_size, group, step, name_of)
@@ -451,8 +433,8 @@ def check_hpz_numerics(cls, world_size=4, node_size=2, model="nested", units=Non
     these global ranks of a larger world (a subgroup)."""
     __tracebackhide__ = True
     _check_hpz_class(cls)
-    ref = adamw_reference(model, steps, HYPER, _whole_batch, (model, world_size), timeout=timeout)
-    res = run_on_ranks(_hpz_numerics_case, _launch_size(world_size, group_ranks),
+    ref = adamw_reference(model, steps, HYPER, batch_backward, (model, world_size * PER_RANK, STREAM), timeout=timeout)
+    res = run_on_ranks(_hpz_numerics_case, launch_size(world_size, group_ranks),
                        args=(cls, model, units, node_size, steps, group_ranks, ref, world_size), timeout=timeout,
                        what=f"{cls.__name__} on {model}")
     buckets, kept = next(r for r in res if r is not None)
@@ -481,7 +463,7 @@ def _hpz_traffic_case(rank, _launched, cls, model_name, units, node_size, steps,
     name_of = {p: n for n, p in model.named_parameters()}
     out, mine = [], []
     for step in range(steps):
-        x, y = _batch(model_name, step, world_size, place)
+        x, y = rank_batch(model_name, step, world_size * PER_RANK, place, world_size, STREAM)
         with CommCounter() as fwd:
             loss = model_loss(model_name, model(x), y)
         with CommCounter() as bwd:
@@ -517,7 +499,7 @@ def check_hpz_traffic(cls, world_size=4, node_size=2, model="nested", units=None
     group's size times its input, a transfer not recorded, a buffer not the bucket's) is named."""
     __tracebackhide__ = True
     _check_hpz_class(cls)
-    res = run_on_ranks(_hpz_traffic_case, _launch_size(world_size, group_ranks),
+    res = run_on_ranks(_hpz_traffic_case, launch_size(world_size, group_ranks),
                        args=(cls, model, units, node_size, steps, group_ranks, world_size), timeout=timeout,
                        what=f"{cls.__name__} on {model}")
     layout = _layout(world_size, node_size, group_ranks)
@@ -601,7 +583,7 @@ def _memory_run(cls, model_name, units, group, node_size, place, world_size, ste
     _alive(settled=True)  # the broadcast of the initial weights let go of
     out = []
     for step in range(steps):
-        x, y = _batch(model_name, step, world_size, place)
+        x, y = rank_batch(model_name, step, world_size * PER_RANK, place, world_size, STREAM)
         loss = model_loss(model_name, model(x), y)
         held = _alive() - before  # between forward and backward: the parameters kept, and the activations
         kept = _kept(opt)
@@ -612,7 +594,7 @@ def _memory_run(cls, model_name, units, group, node_size, place, world_size, ste
         rest = _alive(settled=True) - before
         out.append((held, rest, kept))
     with torch.no_grad():  # an evaluation: no backward comes, so nothing is kept for one
-        model(_batch(model_name, steps, world_size, place)[0])
+        model(rank_batch(model_name, steps, world_size * PER_RANK, place, world_size, STREAM)[0])
     out.append((None, _alive(settled=True) - before, None))
     root = sum(b.padded_numel for b, u in zip(opt.buckets, opt.bucket_units) if u == 0)
     padded = [b.padded_numel for b in opt.buckets]
@@ -641,7 +623,7 @@ def check_hpz_memory(cls, world_size=4, node_size=2, model="nested", units=None,
     holds: no secondary kept."""
     __tracebackhide__ = True
     _check_hpz_class(cls)
-    res = run_on_ranks(_hpz_memory_case, _launch_size(world_size, group_ranks),
+    res = run_on_ranks(_hpz_memory_case, launch_size(world_size, group_ranks),
                        args=(cls, model, units, node_size, steps, group_ranks, world_size), timeout=timeout,
                        what=f"{cls.__name__} on {model}")
     for rank, r in enumerate(res):
@@ -823,15 +805,8 @@ def _judge_quantiser(quantize, dequantize, label, x, block):
                              f"block's step ({float(step[i]) / 2:.3g})")
 
 
-def _intact(fn):
-    """A function of its own with fn's code: refusing(..., everywhere=True) swaps the code of zerokit's
-    function object itself (to catch a student's call), and the checks still need the original."""
-    fn = inspect.unwrap(fn)
-    return types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-
-
-_REFERENCE_QUANTIZE = _intact(zeropp.quantize_blocks)  # taken when the checks are imported, before any student code
-_REFERENCE_DEQUANTIZE = _intact(zeropp.dequantize_blocks)
+_REFERENCE_QUANTIZE = intact(zeropp.quantize_blocks)  # taken when the checks are imported, before any student code
+_REFERENCE_DEQUANTIZE = intact(zeropp.dequantize_blocks)
 
 
 def check_quantize(quantize, dequantize, timeout=60.0):
@@ -969,7 +944,7 @@ def check_qwz_gather(gather, world_size=4, node_size=2, shard_numel=200, block=6
     __tracebackhide__ = True
     if not callable(gather):
         raise CheckFailed(f"expected your function qwz_all_gather, got {type(gather).__name__}")
-    res = run_on_ranks(_gather_case, _launch_size(world_size, group_ranks),
+    res = run_on_ranks(_gather_case, launch_size(world_size, group_ranks),
                        args=(gather, shard_numel, block, group_ranks, world_size), timeout=timeout,
                        what="your qwz_all_gather")
     calls = next(r for r in res if r is not None)

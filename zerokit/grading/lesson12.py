@@ -46,7 +46,6 @@ import inspect
 import math
 import shutil
 import tempfile
-import types
 
 import torch
 import torch.distributed as dist
@@ -57,7 +56,7 @@ from ..fully_shard import collectives as _collectives
 from ..fully_shard import param as _param
 from .compare import assert_close
 from .harness import CheckFailed, passed, run_on_ranks
-from .kit import refusing
+from .kit import intact, launch_size, refusing
 
 __all__ = ["check_dim0_chunk", "check_shard_param", "check_copy_in", "check_copy_out", "check_chunk_cat",
            "check_shard_grads", "UNIT"]
@@ -93,14 +92,7 @@ _ZERO_GRAD = "few_rows"  # its gradient is zeros on every rank (rows no sample u
 _REFUSED = "your code used zerokit.fully_shard's own {}: the exercise is to write it"
 
 
-def _intact(fn):
-    """A function of its own with fn's code: refusing(..., everywhere=True) swaps the code of zerokit's function
-    object itself (to catch a student's call), and the checks still need the original."""
-    fn = inspect.unwrap(fn)
-    return types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-
-
-_REFERENCE_DIM0_CHUNK = _intact(_param.dim0_chunk)  # taken when the checks are imported, before any student code
+_REFERENCE_DIM0_CHUNK = intact(_param.dim0_chunk)  # taken when the checks are imported, before any student code
 
 
 def _refusals():
@@ -191,14 +183,6 @@ def _mesh(group_ranks, world_size):
     if dist.get_rank() not in ranks:
         return None, mesh
     return mesh.get_local_rank(), mesh
-
-
-def _launch_size(world_size, group_ranks):
-    if group_ranks is None:
-        return world_size
-    if len(group_ranks) != world_size or sorted(group_ranks) != list(group_ranks):
-        raise ValueError(f"group_ranks must be world_size = {world_size} increasing global ranks, not {group_ranks}")
-    return max(group_ranks) + 1
 
 
 def _where(group_ranks):
@@ -446,7 +430,7 @@ def check_shard_param(shard_param, world_size=3, group_ranks=None, dtype=torch.f
     group_ranks: the mesh over these global ranks only (a process subgroup)."""
     __tracebackhide__ = True
     _callable(shard_param, "shard_param")
-    run_on_ranks(_shard_param_case, _launch_size(world_size, group_ranks),
+    run_on_ranks(_shard_param_case, launch_size(world_size, group_ranks),
                  args=(shard_param, world_size, group_ranks, dtype, checkpoint), timeout=timeout,
                  what="your shard_param")
     layout = "; ".join(f"{name} {'x'.join(map(str, shape))}: "
@@ -752,7 +736,7 @@ def check_shard_grads(shard_grads, world_size=3, group_ranks=None, dtype=torch.f
     group_ranks: the mesh over these global ranks only (a process subgroup)."""
     __tracebackhide__ = True
     _callable(shard_grads, "shard_grads")
-    sizes = run_on_ranks(_shard_grads_case, _launch_size(world_size, group_ranks),
+    sizes = run_on_ranks(_shard_grads_case, launch_size(world_size, group_ranks),
                          args=(shard_grads, world_size, group_ranks, dtype), timeout=timeout, what="your shard_grads")
     sizes = [s for s in sizes if s is not None]
     passed(f"shard_grads on {world_size} ranks{_where(group_ranks)} ({_dtype_name(dtype)}): {len(_trainable())} "
