@@ -134,24 +134,19 @@ def dequantize_blocks(q, scales, block, out=None):
     return x if out is None else out.copy_(x.view_as(out))
 
 
-class _Dequantizing:
-    """The work of a quantised all-gather: wait() waits for the values and the scales, then
-    dequantises every rank's chunk, with that rank's scales, into the output."""
+class _ThenWork:
+    """The work of a collective with a step of its own after it (qwZ's dequantisation, hybrid
+    sharding's average across nodes): wait() waits for `works`, then runs `then()`, once."""
 
-    def __init__(self, works, output, q_all, scales_all, block, n, dequantize):
-        self._works, self._output, self._block, self._n = works, output, block, n
-        self._q, self._scales, self._dequantize = q_all, scales_all, dequantize
+    def __init__(self, works, then):
+        self._works, self._then = works, then
 
     def wait(self, *args, **kwargs):
-        if self._works is None:
-            return True
-        for work in self._works:
-            work.wait()
-        self._works = None
-        chunks = self._output.view(-1).chunk(self._n)  # rank r's chunk of the output ...
-        for chunk, q, scales in zip(chunks, self._q.chunk(self._n), self._scales.chunk(self._n)):
-            self._dequantize(q, scales, self._block, out=chunk)  # ... with rank r's own scales
-        self._q = self._scales = None  # the int8 copy and the scales are gone once dequantised
+        if self._works is not None:
+            for work in self._works:
+                work.wait()
+            self._works, then, self._then = None, self._then, None  # what `then` holds goes with it
+            then()
         return True
 
     def is_completed(self):
@@ -173,7 +168,12 @@ def qwz_all_gather(output, shard, block, group=None, async_op=False, quantizer=N
     scales_all = torch.empty(n * scales.numel(), dtype=scales.dtype, device=scales.device)
     works = [all_gather(q_all, q, group=group, async_op=True),
              all_gather(scales_all, scales, group=group, async_op=True)]
-    handle = _Dequantizing(works, output, q_all, scales_all, block, n, dequantize)
+
+    def dequantize_all():  # every rank's chunk of the output, with that rank's own scales
+        for chunk, q_r, scales_r in zip(output.view(-1).chunk(n), q_all.chunk(n), scales_all.chunk(n)):
+            dequantize(q_r, scales_r, block, out=chunk)
+
+    handle = _ThenWork(works, dequantize_all)  # the int8 copy and the scales are freed once dequantised
     return handle if async_op else handle.wait() and None
 
 
@@ -335,33 +335,18 @@ def replica_group(k, group=None):
     return _REPLICA_GROUPS[key]
 
 
-class _AcrossNodes:
-    """The work of hybrid sharding's reduce: wait() waits for the reduce-scatter inside the node
-    (the mean over its ranks), then averages the shard over its replicas, one per node."""
-
-    def __init__(self, work, output, replicas):
-        self._work, self._output, self._replicas = work, output, replicas
-
-    def wait(self, *args, **kwargs):
-        if self._work is None:
-            return True
-        self._work.wait()
-        self._work = None
-        n = dist.get_world_size(self._replicas)
-        if n > 1:
-            dist.all_reduce(self._output, op=dist.ReduceOp.SUM, group=self._replicas)  # gloo has no AVG
-            self._output.div_(n)
-        return True
-
-    def is_completed(self):
-        return self._work is None
-
-
 def hybrid_reduce_scatter(output, input, replicas, op=dist.ReduceOp.AVG, group=None, async_op=False):
     """reduce_scatter(output, input) over `group` (the node), then the output averaged over
     `replicas`, the ranks holding the same shard in the other nodes: FSDP2's HSDP reduce. The
     all-reduce runs when the work is waited for (async_op=True), as ZeRO-2 receives a bucket."""
-    handle = _AcrossNodes(reduce_scatter(output, input, op=op, group=group, async_op=True), output, replicas)
+
+    def average_across_nodes():  # the reduce-scatter gave the mean over this node's ranks
+        n = dist.get_world_size(replicas)
+        if n > 1:
+            dist.all_reduce(output, op=dist.ReduceOp.SUM, group=replicas)  # gloo has no AVG
+            output.div_(n)
+
+    handle = _ThenWork([reduce_scatter(output, input, op=op, group=group, async_op=True)], average_across_nodes)
     return handle if async_op else handle.wait() and None
 
 
