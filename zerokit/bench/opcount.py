@@ -20,6 +20,7 @@ update takes the whole shard per call as it does on a GPU (no CPU cache chunks).
 
 import argparse
 import contextlib
+import inspect
 import sys
 
 import torch
@@ -41,12 +42,12 @@ def host_reads():
 
     def counted(name, method):
         def read(self, *args, **kwargs):
-            seen.append((name, self, sys._getframe(1).f_code.co_filename))
+            seen.append((name, self, inspect.currentframe().f_back.f_code.co_filename))
             return method(self, *args, **kwargs)
         return read
 
     def upload(*args, **kwargs):
-        caller = sys._getframe(1).f_code.co_filename
+        caller = inspect.currentframe().f_back.f_code.co_filename
         if "/zerokit/" in caller:
             seen.append(("torch.tensor", None, caller))
         return make(*args, **kwargs)

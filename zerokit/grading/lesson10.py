@@ -380,11 +380,11 @@ SLOW_RANK0 = 0.3  # s: rank 0 returns from each save this late, as on a busy dis
 
 
 def _watched(*args, **kwargs):
-    import sys as _sys
+    import inspect as _inspect
 
     from zerokit.grading import lesson10 as _lesson10
 
-    return _lesson10.WATCHERS[_sys._getframe().f_code.co_name](*args, **kwargs)
+    return _lesson10.WATCHERS[_inspect.currentframe().f_code.co_name](*args, **kwargs)
 
 
 @contextlib.contextmanager
