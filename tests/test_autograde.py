@@ -45,9 +45,12 @@ ROOT = Path(__file__).resolve().parents[1]
 # Four graders at a time, on 2 cores too: most of a notebook's time is waiting (kernel start,
 # rendezvous, timeouts). Measured on 2 cores: 4 min 16 s with 4, 6 min 3 s with 2, same CPU.
 JOBS = 4
-# Shorter than `make grade`'s defaults (check 60 s, cell 60 s, kernel 4 GiB), so that the
-# deadlock, the endless cell and the memory hog cost less time; the flow is the same.
-OPTIONS = {"check_timeout": 30, "cell_timeout": 40, "memory_limit_gb": 2.0}
+# Shorter than `make grade`'s defaults (check 60 s and 4 GiB a rank, cell 60 s, kernel 4 GiB), so
+# that the deadlock, the endless cell and the memory hogs cost less time; the flow is the same.
+# A rank of a correct check peaks near 0.3 GiB. The rank cap matters under load: at 4 GiB the
+# runaway rank page-faults ~12 CPU-seconds (measured, 2 cores) and a CI run at load 10 timed
+# out at 30 s before reaching it; 1 GiB costs it ~2 CPU-seconds.
+OPTIONS = {"check_timeout": 30, "check_memory_limit_gb": 1.0, "cell_timeout": 40, "memory_limit_gb": 2.0}
 # The course's late policy in this run (nbgrader's default takes nothing off).
 LATE_POLICY = [("LateSubmissionPlugin", "penalty_method", "zero")]
 # Graded a second time (lesson 00): failure modes whose grades zerokit writes (corrupt

@@ -37,9 +37,10 @@ import torch
 from ..launcher import LaunchError, LaunchTimeout, launch
 from . import origins
 
-__all__ = ["CheckFailed", "run_on_ranks", "passed", "torch_adam_allowed", "GUARDED", "TIMEOUT_ENV"]
+__all__ = ["CheckFailed", "run_on_ranks", "passed", "torch_adam_allowed", "GUARDED", "TIMEOUT_ENV", "MEMORY_ENV"]
 
 TIMEOUT_ENV = "ZEROKIT_CHECK_TIMEOUT"  # seconds; caps every check's own timeout when set
+MEMORY_ENV = "ZEROKIT_CHECK_MEMORY_GB"  # GiB; caps every check's memory limit per rank when set
 
 
 class CheckFailed(AssertionError):
@@ -273,6 +274,8 @@ def run_on_ranks(check, world_size, args=(), *, timeout=60.0, memory_limit_gb=4.
     __tracebackhide__ = True  # IPython and pytest: show the reason, not this frame
     if os.environ.get(TIMEOUT_ENV):  # the autograder's --check-timeout: a cap, so a hang costs less
         timeout = min(timeout, float(os.environ[TIMEOUT_ENV]))
+    if os.environ.get(MEMORY_ENV):  # --check-memory-limit-gb: a runaway rank is stopped sooner
+        memory_limit_gb = min(memory_limit_gb, float(os.environ[MEMORY_ENV]))
     caught = []
     with warnings.catch_warnings(record=True) as caught, _stdout_only():
         warnings.simplefilter("always")

@@ -58,6 +58,8 @@ def main(argv=None):
                         help="seconds for a test cell (default: Execute.timeout in nbgrader_config.py)")
     parser.add_argument("--check-timeout", type=float,
                         help="cap on each multi-rank check's own timeout, in seconds (default: the check's, 60)")
+    parser.add_argument("--check-memory-limit-gb", type=float,
+                        help="cap on each multi-rank check's memory per rank, in GiB (default: the check's, 4)")
     parser.add_argument("--notebook-timeout", type=float, default=1800, help="seconds for a whole notebook")
     parser.add_argument("--memory-limit-gb", type=float, help="resident memory (GiB) of a notebook's kernel "
                         "(default 4)")
@@ -80,7 +82,8 @@ def main(argv=None):
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     grade(args.submissions, lessons=args.lesson, students=args.student, course_dir=args.course_dir, out=args.out,
           jobs=args.jobs, cell_timeout=args.cell_timeout, test_timeout=args.test_timeout,
-          check_timeout=args.check_timeout, notebook_timeout=args.notebook_timeout,
+          check_timeout=args.check_timeout,
+          check_memory_limit_gb=args.check_memory_limit_gb, notebook_timeout=args.notebook_timeout,
           memory_limit_gb=args.memory_limit_gb, echo=lambda line: print(line, flush=True),
           sandbox=not args.no_sandbox, settings=settings)
     # a submission that could not be graded is a result (0 points and its reason), not a failure

@@ -24,7 +24,6 @@ from pathlib import Path
 
 from nbgrader.converters import Autograde, GenerateFeedback
 
-from ..harness import TIMEOUT_ENV
 from .course import course_config, run_app
 from .processes import TAG, kill_descendants, set_subreaper
 
@@ -60,7 +59,7 @@ class Job:
         self.overlapped = False  # another notebook was being graded at some time while this one was
         self.alone = False  # graded with nothing else running (after the grader's files were found changed)
 
-    def start(self, check_timeout, scratch_root):
+    def start(self, check_caps, scratch_root):
         """Fork the grader. Its temporary files (the kernel's scratch folder among them) go in a
         folder of its own under `scratch_root`, which cleanup() removes even if the grader was killed."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -91,8 +90,7 @@ class Job:
             # goes with it, instead of staying in the instructor's $TMPDIR (behind the wall the
             # kernel has a private /tmp anyway)
             os.environ["TMPDIR"] = self.scratch
-            if check_timeout is not None:
-                os.environ[TIMEOUT_ENV] = str(check_timeout)
+            os.environ.update(check_caps)  # the harness reads them: caps on each check's time and memory
             _grade_one(self.spec)
             code = 0
         except BaseException:

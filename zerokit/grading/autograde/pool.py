@@ -21,6 +21,7 @@ from nbgrader.api import Gradebook
 from nbgrader.converters import GenerateAssignment
 
 from ...widgets import progress
+from ..harness import MEMORY_ENV, TIMEOUT_ENV
 from ..lessons import LESSONS, ROOT, SOLUTIONS, lesson_ids, nbgrader_env, release_drift
 from . import sandbox
 from .course import course_config, run_app, write_course_config
@@ -58,10 +59,12 @@ def isolation(use_sandbox):
 
 
 def grade(submissions, lessons=None, students=None, course_dir=ROOT, out=None, jobs=None, cell_timeout=None,
-          test_timeout=None, check_timeout=None, notebook_timeout=1800, memory_limit_gb=None, echo=print,
-          sandbox=True, settings=(), solutions=SOLUTIONS, released=LESSONS):
+          test_timeout=None, check_timeout=None, check_memory_limit_gb=None, notebook_timeout=1800,
+          memory_limit_gb=None, echo=print, sandbox=True, settings=(), solutions=SOLUTIONS, released=LESSONS):
     """Autograde every (student, lesson) under `submissions`; write feedback and grades.csv.
 
+    check_timeout, check_memory_limit_gb: caps on every multi-rank check's own timeout and memory
+    limit per rank (defaults 60 s and 4 GiB), so that a hang or a runaway rank costs less.
     sandbox: run each kernel behind bubblewrap (False: --no-sandbox, an explicit choice).
     settings: (Class, trait, value) for nbgrader's config, as its `--Class.trait=value`.
     solutions, released: nbgrader's source notebooks, and what students received (the
@@ -84,6 +87,8 @@ def grade(submissions, lessons=None, students=None, course_dir=ROOT, out=None, j
                          + (" for the --student/--lesson given" if students or lessons else "")
                          + f"; lessons are {', '.join(lesson_ids())}")
     walled = isolation(sandbox)
+    check_caps = {name: str(value) for name, value in ((TIMEOUT_ENV, check_timeout),
+                                                       (MEMORY_ENV, check_memory_limit_gb)) if value is not None}
     options = {"cell_timeout": cell_timeout, "test_timeout": test_timeout, "memory_limit_gb": memory_limit_gb,
                "sandbox": bool(sandbox)}
     graded_lessons = sorted({lesson for _, lesson in todo})
@@ -128,7 +133,7 @@ def grade(submissions, lessons=None, students=None, course_dir=ROOT, out=None, j
     results, running, alone = {}, [], []
     try:
         while pending or running or alone:
-            _start_more(pending, running, alone, jobs, check_timeout, baseline, echo, scratch_root)
+            _start_more(pending, running, alone, jobs, check_caps, baseline, echo, scratch_root)
             time.sleep(0.1)
             for job in list(running):
                 overdue = time.monotonic() - job.started > notebook_timeout
@@ -177,7 +182,7 @@ def grade(submissions, lessons=None, students=None, course_dir=ROOT, out=None, j
     return results
 
 
-def _start_more(pending, running, alone, jobs, check_timeout, baseline, echo, scratch_root):
+def _start_more(pending, running, alone, jobs, check_caps, baseline, echo, scratch_root):
     """Start graders while there is room; a suspect runs only with nothing else running."""
     if any(job.alone for job in running):
         return
@@ -186,7 +191,7 @@ def _start_more(pending, running, alone, jobs, check_timeout, baseline, echo, sc
             job = alone.pop(0)
             job.alone = True
             running.append(job)
-            job.start(check_timeout, scratch_root)
+            job.start(check_caps, scratch_root)
         return
     while pending and len(running) < jobs:
         changed = baseline.changes()  # before each notebook too: a running one may have changed them
@@ -201,7 +206,7 @@ def _start_more(pending, running, alone, jobs, check_timeout, baseline, echo, sc
             for other in running:
                 other.overlapped = True
         running.append(job)
-        job.start(check_timeout, scratch_root)
+        job.start(check_caps, scratch_root)
 
 
 def _regrade_alone(suspects, alone, echo, changed):
