@@ -7,10 +7,14 @@
   torch optimizer;
 - checkpoint's job_of goes by the optimizer's nearest registered class;
 - train/ and bench/ test no stage against a number or a name, and at most 3 times test a stage at
-  all: they ask the record, or look rows up by stage (a new stage is one record, not six files).
+  all or read what it shards: they ask the record for the answer to their question, or look rows
+  up by stage (a new stage is one record, not six files);
+- each answer a record gives is the one its stage's class gives (the Muon a stage runs, who
+  scales its loss, what it offloads, how many elements a rank updates).
 """
 
 import ast
+import inspect
 from pathlib import Path
 
 import pytest
@@ -21,7 +25,7 @@ from conftest import run_ranks
 import zerokit
 from zerokit.memory import theory_bytes
 from zerokit.models import OddMLP
-from zerokit.stages import STAGE_NAMES, STAGES, get_stage, stage_of
+from zerokit.stages import STAGE_NAMES, STAGES, _lesson_classes, get_stage, stage_of, wrapper
 
 ROOT = Path(__file__).resolve().parent.parent
 LITERALS = {0, 1, 2, 3, *STAGE_NAMES}
@@ -36,6 +40,14 @@ def test_each_record_shards_what_the_papers_table_shards(record):
     for category, sharded in flags.items():
         assert cut[category] == (whole[category] / n if sharded else whole[category]), (category, cut, whole)
     assert record.number == STAGE_NAMES.index(record.name)
+    assert set(record.shards) == {c for c in cut if c in flags and cut[c] < whole[c]}
+    assert record.updated_numel(psi, n) / psi == cut["optimizer_states"] / whole["optimizer_states"]
+
+
+@pytest.mark.parametrize("record", STAGES, ids=lambda s: s.name)
+def test_a_record_offloads_where_its_lessons_class_takes_an_offload(record):
+    cls = next(c for c, s in _lesson_classes().items() if s is record)
+    assert record.offloads == ("offload" in inspect.signature(cls).parameters), cls
 
 
 def test_a_record_by_number_and_by_name_is_one_and_an_unknown_stage_names_the_choices():
@@ -67,11 +79,19 @@ def _stages_and_jobs(rank, world_size):
         job_of(model, [])
     except TypeError as e:
         jobs["list"] = f"TypeError: {e}"
-    return stages, jobs
+    # who scales an fp16 loss in PyTorch's shape: the optimizer's own MixedPrecision, or nobody inside
+    # (a plain torch.optim.AdamW beside the model's wrapper: the job must)
+    scalers = {}
+    for record in STAGES:
+        _, opt = wrapper(record, OddMLP(), half=torch.float16)
+        inside = getattr(getattr(opt, "precision", None), "scaler", None) is not None
+        scalers[record.name] = (record.loss_scaling, "optimizer" if inside else "job")
+    return stages, jobs, scalers
 
 
 def test_stage_of_and_the_checkpoint_job_go_by_the_optimizers_nearest_class():
-    stages, jobs = run_ranks(_stages_and_jobs, 1)[0]
+    stages, jobs, scalers = run_ranks(_stages_and_jobs, 1)[0]
+    assert all(said == found for said, found in scalers.values()), scalers
     assert stages == {"DistributedAdam": "ddp", "ZeRO1Adam": "zero1", "ZeRO2Adam": "zero2",
                       "ZeRO1(SGD)": "zero1", "ZeRO2(SGD)": "zero2",  # built on ZeRO1Adam, ZeRO2Adam
                       "ZeRO3Adam": "zero3",
@@ -155,8 +175,9 @@ def stage_tests(folders):
     """file:line of every test of which stage it is in `folders`: a comparison or membership test
     (==, !=, <, in, not in, ...) with a stage as a side (_stage_operand), whatever the other side:
     `stage == 3`, `r["stage"] == s` (a row filter), `c.stage in chosen`, `s.number >= 2`. A branch on
-    a record's answer (`if stage.shards_gradients`, `how == "optimizer"` after `how = stage.clip`)
-    asks the record and is not counted: a new stage gives its answers in stages.py."""
+    a record's answer to the wing's question (`how == "optimizer"` after `how = stage.clip`) asks
+    the record and is not counted: a new stage gives its answers in stages.py. Reads of what a
+    stage shards are counted apart (geometry_reads)."""
     found = []
     for folder in folders:
         for path in sorted((ROOT / "zerokit" / folder).rglob("*.py")):
@@ -168,9 +189,27 @@ def stage_tests(folders):
     return found
 
 
+# What a stage is, rather than an answer to a wing's question: a wing that derives its answer from
+# these (`n = shard if stage.shards_optimizer_state else psi`) tests the stage's number in disguise,
+# and a new stage would have to be checked against each such derivation; the answer belongs in
+# stages.py (Stage.updated_numel, .muon, .loss_scaling, .offloads, .fsdp_controls, .shards)
+GEOMETRY = ("number", "shards_optimizer_state", "shards_gradients", "shards_parameters", "optimizer_inside")
+
+
+def geometry_reads(folders):
+    """file:line of every read of a record's geometry (GEOMETRY) in `folders`."""
+    found = []
+    for folder in folders:
+        for path in sorted((ROOT / "zerokit" / folder).rglob("*.py")):
+            tree = ast.parse(path.read_text(), str(path))
+            found += [f"{path.relative_to(ROOT)}:{node.lineno}" for node in ast.walk(tree)
+                      if isinstance(node, ast.Attribute) and node.attr in GEOMETRY]
+    return sorted(found)
+
+
 def test_train_and_bench_ask_the_record_not_the_stages_number():
     assert stage_literal_tests(["train", "bench"]) == []
-    found = stage_tests(["train", "bench"])
+    found = stage_tests(["train", "bench"]) + geometry_reads(["train", "bench"])
     assert len(found) <= 3, found
 
 
@@ -188,3 +227,4 @@ def test_the_scan_finds_a_stage_test_where_there_is_one(tmp_path, monkeypatch):
         '    e = x.shards_gradients == other\n    if x.shards_gradients:\n        pass\n'
         '    g = {r["stage"]: r for r in rows}\n')
     assert stage_tests(["wing"]) == [f"zerokit/wing/m.py:{n}" for n in (2, 4, 6, 7)]
+    assert geometry_reads(["wing"]) == [f"zerokit/wing/m.py:{n}" for n in (4, 8, 9)]

@@ -57,6 +57,39 @@ class Stage:
             return "optimizer"
         return "torch" if self.shards_parameters else "replicated"
 
+    @property
+    def shards(self):
+        """The categories of model state it cuts into 1/N, as zerokit.memory.theory_bytes names them."""
+        return ("optimizer_states", "gradients", "parameters")[:self.number]
+
+    def updated_numel(self, psi, world_size):
+        """How many of the Ψ elements one rank's optimizer updates: its shard, or all of them."""
+        return -(-psi // world_size) if self.shards_optimizer_state else psi  # the shard rounds up
+
+    @property
+    def loss_scaling(self):
+        """Who scales an fp16 loss in PyTorch's shape: "optimizer" (ZeRO1/ZeRO2's MixedPrecision)
+        or "job" (a plain torch optimizer beside DataParallel or FullyShard: the job's own scaler)."""
+        return "optimizer" if self.optimizer_inside else "job"
+
+    @property
+    def offloads(self):
+        """Its lessons' class can stream its own AdamW state to the CPU (lesson 08): a sharded one."""
+        return self.shards_optimizer_state
+
+    @property
+    def muon(self):
+        """The Muon it runs (lesson 09): "torch" (torch.optim.Muon on every rank, beside
+        DataParallel), "ZeRO1Muon" (whole matrices, each on one rank), or None where its gradient
+        shards cut a matrix, which Muon must see whole."""
+        return (None if self.shards_gradients else "ZeRO1Muon") if self.shards_optimizer_state else "torch"
+
+    @property
+    def fsdp_controls(self):
+        """Its wrapper (FullyShard) and its peer (fully_shard) take FSDP2's controls
+        (reshard_after_forward and the rest), which change where its all-gathers run."""
+        return self.shards_parameters
+
     def gathered(self, opt):
         """The context in which the lessons' optimizer shows the full parameters (ZeRO-3's
         `gathered()`); nothing to do where the parameters are whole."""

@@ -39,17 +39,17 @@ def buffer_bytes(stage, opt, model=None):
     .grad and its new flat copy coexist for an instant, next to a third transfer not yet
     awaited, which only the allocator's peak would show.
     """
-    out = {}
-    s = get_stage(stage)
-    if not s.shards_gradients:
-        return out  # data parallel and ZeRO-1 hold nothing beyond the table (the bucket is the gradient)
+    # the sharded categories that have a buffer to see: data parallel and ZeRO-1 hold nothing
+    # beyond the table (the bucket is the gradient), ZeRO-2 its gradients, ZeRO-3 its parameters too
+    probes = [(category, PEAKS[category]) for category in get_stage(stage).shards if category in PEAKS]
+    if not probes:
+        return {}
     sharded = FP32 * sum(b.param_numel for b in opt.buckets) / opt.world_size  # the paper's 4 Ψ / N
     names = {id(m): n for n, m in model.named_modules()} if model is not None else {}
-    peak, where = gradient_peak(opt, names)
-    out["gradients"] = (peak - sharded, where)
-    if s.shards_parameters:
-        peak, where = gathered_peak(opt, names)
-        out["parameters"] = (peak - sharded, where)
+    out = {}
+    for category, peak_of in probes:
+        peak, where = peak_of(opt, names)
+        out[category] = (peak - sharded, where)
     return out
 
 
@@ -105,3 +105,6 @@ def gathered_peak(opt, names=None):
     pair = max(pairs, key=lambda us: sum(size[u] for u in us))
     label = " + ".join(_unit_name(opt, u, names or {}) for u in pair)
     return shards + size[0] + sum(size[u] for u in pair), f"root unit + {label} gathered"
+
+
+PEAKS = {"gradients": gradient_peak, "parameters": gathered_peak}  # a sharded category's probe

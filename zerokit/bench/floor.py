@@ -36,8 +36,8 @@ class Floor:
         self.model_cfg = opts["model"]
         self.model = make_model(opts["model"], device, opts["seed"])
         self.x, self.y = rank_batch(opts["model"], 0, rank, world_size, device)
-        shard = -(-psi // world_size)
-        n = shard if get_stage(stage).shards_optimizer_state else psi  # the elements this rank updates
+        shard = -(-psi // world_size)  # the collectives' buffers: a rank's 1/N and the whole
+        n = get_stage(stage).updated_numel(psi, world_size)  # the elements this rank updates
         self.flat = torch.zeros(n, device=device, requires_grad=True)
         self.flat.grad = torch.randn(n, device=device)
         try:

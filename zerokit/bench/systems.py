@@ -124,15 +124,19 @@ def build(config, model_cfg, device, seed):
     raise ValueError(f"unknown system {config.system!r} in configuration {config.name!r}")
 
 
+# Each stage's gradient bucket, as (a fraction of the model, or a number of blocks), chosen by
+# measurement (the module's docstring): ddp and zero1 half the model (two buckets, or three where a
+# block does not fit), zero2 two blocks, zero3 one (its unit: a block)
+BUCKETS = {"ddp": ("model", 1 / 2), "zero1": ("model", 1 / 2), "zero2": ("blocks", 2), "zero3": ("blocks", 1)}
+
+
 def bucket_size(stage, model):
     """The gradient bucket size (MiB) of DataParallel, ZeRO-1 and ZeRO-2 (see the module's docstring)."""
     def mib(params):
         return sum(p.numel() * p.element_size() for p in params) / 2**20
 
-    s = get_stage(stage)
-    if not s.shards_gradients:  # ddp, zero1: half the model, two buckets, or three where a block does not fit
-        return mib(model.parameters()) / 2
-    return (1 if s.shards_parameters else 2) * mib(model.blocks[0].parameters())
+    whole, times = BUCKETS[get_stage(stage).name]
+    return times * mib(model.parameters() if whole == "model" else model.blocks[0].parameters())
 
 
 def micro_batches(config):

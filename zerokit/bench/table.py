@@ -51,7 +51,7 @@ def format_table(summary) -> str:
         lines += ["", f"{'all-gather MiB per step':32s} {'inside a node of ' + str(k):>18s} {'across nodes':>13s}"]
         lines += [f"{c['label']:32s} {mib(c['comm']['all_gather_nodes']['intra']):18.2f} "
                   f"{mib(c['comm']['all_gather_nodes']['inter']):13.2f}" for c in configs
-                  if get_stage(c["stage"]).shards_parameters]  # the rows whose gathers the controls change
+                  if get_stage(c["stage"]).fsdp_controls]  # the rows whose gathers the controls change
     width = max([32] + [len(r["zerokit"] + " / " + r["peer"]) for r in summary["ratios"]])
     lines += ["", f"{'zerokit / PyTorch peer':{width}s} {'stage':5s} {'time':>6s} {'peak mem':>8s} "
                   f"{'model state':>11s} {'comm':>6s}"]

@@ -113,7 +113,7 @@ def build_muon(args, model, hyper):
     matrices = [p for p in model.blocks.parameters() if p.dim() == 2]
     rest = [p for p in model.parameters() if not any(p is m for m in matrices)]
     muon = dict(hyper, adjust_lr_fn="match_rms_adamw")
-    if not get_stage(args.stage).shards_optimizer_state:  # stage 0: torch's Muon on every rank
+    if get_stage(args.stage).muon == "torch":  # stage 0: torch's Muon on every rank
         model = zerokit.DataParallel(model)
         return model, Optimizers(muon=torch.optim.Muon(matrices, **muon), adamw=torch.optim.AdamW(rest, **hyper))
     return model, Optimizers(muon=zerokit.ZeRO1Muon(matrices, **muon),

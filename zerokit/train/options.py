@@ -150,21 +150,21 @@ def _refuse_combinations(p, args):
     if args.precision == "fp16" and args.impl == "torch":
         p.error("--precision fp16 needs a loss scaler, which the PyTorch peers here do not bring: use bf16")
     stage = get_stage(args.stage)
-    if args.offload and (not stage.shards_optimizer_state or args.impl == "torch" or args.optimizer == "muon"):
+    if args.offload and (not stage.offloads or args.impl == "torch" or args.optimizer == "muon"):
         p.error("--offload streams a ZeRO stage's own AdamW state (lesson 08): --stage 1, 2 or 3, with AdamW, "
                 "not --impl torch")
     if args.optimizer == "muon":
         # Muon orthogonalises each matrix's whole update: ZeRO-2 cuts gradients into flat shards, stage 3
         # into rows (FullyShard's DTensors), so a rank never holds a whole matrix's gradient to give it (lesson 09)
-        if stage.shards_gradients or args.impl == "torch":
+        if stage.muon is None or args.impl == "torch":
             p.error("--optimizer muon runs at --stage 0 (DataParallel + torch.optim.Muon) or 1 (zerokit.ZeRO1Muon): "
                     "Muon needs each matrix's whole gradient, which ZeRO-2's flat shards and stage 3's row shards "
                     "cut (lesson 09)")
-        if stage.shards_optimizer_state and (args.clip is not None or args.precision != "fp32"):
+        if stage.muon == "ZeRO1Muon" and (args.clip is not None or args.precision != "fp32"):
             p.error("--optimizer muon at --stage 1 takes neither --clip (ZeRO1Muon reduces the gradients inside "
                     "step(): there is no mean gradient before it to clip) nor a 16-bit --precision (its matrices stay "
                     "fp32): use --stage 0")
-    if args.reshard_after_forward is not None and (not stage.shards_parameters or args.offload):
+    if args.reshard_after_forward is not None and (not stage.fsdp_controls or args.offload):
         p.error("--reshard-after-forward is a control of stage 3's FullyShard (and of FSDP2 under --impl torch): "
                 "give --stage 3, without --offload (the lessons' ZeRO3Adam reshards after every forward)")
     if args.resume and args.overwrite:

@@ -59,7 +59,7 @@ def loss_scaling(args):
     """A LossScaling where this job needs one of its own (fp16, stage 0 or 3), else None."""
     # a plain torch optimizer beside the model's wrapper (DataParallel, FullyShard); ZeRO1/ZeRO2 and the
     # lessons' classes (--offload) scale their loss themselves
-    own = not get_stage(args.stage).optimizer_inside and not args.offload
+    own = get_stage(args.stage).loss_scaling == "job" and not args.offload
     return LossScaling() if args.precision == "fp16" and own else None
 
 
