@@ -109,18 +109,20 @@ BASELINE = "torch-ddp"  # the loss every other configuration is compared with
 # zerokit.stages.torch_peer builds them, for zerokit.train's --impl torch too.
 
 
-def build(config, model_cfg, device, seed):
-    """A fresh (model, optimizer) for `config`; every rank starts from the same weights."""
+def build(config, model_cfg, device, seed, **options):
+    """A fresh (model, optimizer) for `config`; every rank starts from the same weights.
+    options: AdamW's options beyond the bench's HYPER (opcount's foreach=True), given to every system."""
+    hyper = {**HYPER, **options}
     model = make_model(model_cfg, device, seed)
     bucket_mib = bucket_size(config.stage, model)
     if config.system == "zerokit":
-        return model, lessons_optimizer(config.stage, model, bucket_mb=bucket_mib, units=list(model.blocks), **HYPER)
+        return model, lessons_optimizer(config.stage, model, bucket_mb=bucket_mib, units=list(model.blocks), **hyper)
     reshard = FULLY_SHARD_SETTINGS.get(config.setting, {}).get("reshard_after_forward")
     if config.system == "torch":
-        return torch_peer(config.stage, model, device=device, reshard_after_forward=reshard, **HYPER)
+        return torch_peer(config.stage, model, device=device, reshard_after_forward=reshard, **hyper)
     if config.system == "wrapper":  # zerokit in PyTorch's shape, with torch's own AdamW, at the same granularity
         return wrapper(config.stage, model, bucket_mb=bucket_mib, units=list(model.blocks),
-                       reshard_after_forward=reshard, **HYPER)
+                       reshard_after_forward=reshard, **hyper)
     raise ValueError(f"unknown system {config.system!r} in configuration {config.name!r}")
 
 
