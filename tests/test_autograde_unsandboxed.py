@@ -53,7 +53,8 @@ def unsandboxed(tmp_path_factory):
     tmp.mkdir()
     done = subprocess.run(
         [sys.executable, "-m", "zerokit.grading.autograde", str(root / "submitted"), "--course-dir",
-         str(root / "course"), "--no-sandbox", "--jobs=2", "--check-timeout=30", "--cell-timeout=40"],
+         str(root / "course"), "--no-sandbox", "--jobs=2", "--check-timeout=30", "--check-memory-limit-gb=1",
+         "--cell-timeout=40"],
         cwd=copy, env={**os.environ, "PYTHONPATH": str(copy), "TMPDIR": str(tmp)}, capture_output=True, text=True,
         timeout=840)
     print(done.stdout, done.stderr)
